@@ -1,0 +1,23 @@
+"""Eight simulated CPU devices for every test.
+
+XLA reads the device count once, when jax is first imported, so it is set here at module
+top, before any test module imports jax.
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+NUM_DEVICES = 8
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _eight_devices():
+  assert jax.device_count() == NUM_DEVICES, (
+      "tests need 8 simulated CPU devices; import jax only after tests/conftest.py")
