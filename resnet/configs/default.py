@@ -1,0 +1,67 @@
+"""ResNet-50 on the embedded digits, on 8 simulated CPU devices as a 2x4 torus.
+
+What ``make train`` runs:
+
+  JAX_PLATFORMS=cpu python -m resnet --config=resnet/configs/default.py --workdir=runs/digits
+
+Any field can be overridden, e.g. ``--config.num_epochs=2 --config.model=resnet18``.
+The other configs derive from this one and change only what differs.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  # Devices: simulate this many CPU devices per process when running on the CPU
+  # (0 = use the devices that exist); the torus shape (empty = most square).
+  c.simulated_cpu_devices = 8
+  c.mesh_shape = (2, 4)
+
+  # Data: 'digits', 'imagenet2012' or 'folder:<root>' (<root>/<split>/<class>/<image>).
+  c.dataset = 'digits'
+  c.data_dir = 'data'
+  c.train_split = 'train'
+  c.eval_split = 'test'
+  c.image_size = 32
+  # Digits are neither mirror-symmetric nor recognisable from an 8% crop.
+  c.crop_area_range = (0.5, 1.0)
+  c.random_flip = False
+  c.eval_crop_fraction = 1.0
+  c.cache = True
+  c.shuffle_buffer = 2048
+  c.prefetch_to_device = 2
+
+  # Model: 'resnet50', 'resnet34', 'resnet18' or 'resnet_tiny'. Compute dtype: bfloat16
+  # is emulated on CPUs and much slower there, so the CPU default is float32.
+  c.model = 'resnet50'
+  c.dtype = 'float32'
+  c.bn_momentum = 0.9
+  # Batch norm statistics span this many examples (a group of replicas) unless
+  # bn_group_size (replicas per group) is set above 0.
+  c.bn_span_examples = 64
+  c.bn_group_size = 0
+
+  # Optimisation: LARS, peak LR = base_learning_rate * global_batch_size / 256.
+  c.global_batch_size = 128
+  c.eval_batch_size = 128
+  c.num_epochs = 6.0
+  c.num_train_steps = -1  # > 0 overrides num_epochs
+  c.warmup_epochs = 1.0
+  c.base_learning_rate = 2.0
+  c.end_learning_rate = 1e-4
+  c.lr_decay_power = 2.0
+  c.weight_decay = 1e-4
+  c.momentum = 0.9
+  c.lars_trust_coefficient = 0.001
+  c.lars_eps = 0.0
+  c.label_smoothing = 0.1
+  # Gradient summation backend of torus_collectives ('auto', 'xla', 'shard_map', ...).
+  c.grad_implementation = 'auto'
+
+  # Bookkeeping.
+  c.seed = 0
+  c.log_every_steps = 5
+  c.eval_every_epochs = 1.0
+  c.checkpoint_every_steps = 50
+  return c
