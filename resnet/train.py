@@ -66,7 +66,7 @@ def _cross_entropy(logits, labels, num_classes: int, label_smoothing: float):
   return optax.softmax_cross_entropy(logits, targets)
 
 
-def _train_step(state: TrainState, batch, *, model, tx, axes, num_classes,
+def _train_step(state: TrainState, batch, *, model, tx, schedule, axes, num_classes,
                 label_smoothing, grad_implementation):
   """Per-device body of one training step (inside shard_map)."""
   def loss_fn(params):
@@ -86,7 +86,8 @@ def _train_step(state: TrainState, batch, *, model, tx, axes, num_classes,
   metrics = {
       'train_loss': lax.pmean(loss, axes),
       'train_accuracy': lax.pmean(jnp.mean(jnp.argmax(logits, -1) == batch['label']), axes),
-      'grad_norm': optax.global_norm(grads),
+      'grad_norm': optax.tree.norm(grads),
+      'learning_rate': schedule(state.step),
   }
   return new_state, metrics
 
@@ -158,7 +159,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   tx = optim.lars(schedule, weight_decay=config.weight_decay, momentum=config.momentum,
                   trust_coefficient=config.lars_trust_coefficient, eps=config.lars_eps)
 
-  @functools.partial(jax.jit, out_shardings=replicated)
+  # Initialised on one device and then replicated: partitioning the random initialisers
+  # over every device only costs compile time.
+  @jax.jit
   def init(key):
     shape = (1, config.image_size, config.image_size, 3)
     variables = model.init(key, jnp.zeros(shape, model.dtype), train=False)
@@ -167,7 +170,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                       opt_state=tx.init(variables['params']))
 
   train_step = jax.jit(jax.shard_map(
-      functools.partial(_train_step, model=model, tx=tx, axes=axes,
+      functools.partial(_train_step, model=model, tx=tx, schedule=schedule, axes=axes,
                         num_classes=train_split.num_classes,
                         label_smoothing=config.label_smoothing,
                         grad_implementation=config.grad_implementation),
@@ -178,7 +181,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   checkpoints = ocp.CheckpointManager(
       workdir / 'checkpoints', options=ocp.CheckpointManagerOptions(max_to_keep=2))
-  state = init(jax.random.key(config.seed))
+  # rbg: XLA's RngBitGenerator compiles far faster than threefry for large inits.
+  state = jax.device_put(init(jax.random.key(config.seed, impl='rbg')), replicated)
   if checkpoints.latest_step() is not None:
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
     state = checkpoints.restore(checkpoints.latest_step(),
@@ -214,13 +218,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   progress = tqdm.tqdm(total=total_steps, initial=start_step, unit='step',
                        disable=jax.process_index() != 0, dynamic_ncols=True)
   last_good = checkpoints.latest_step()
-  images_per_second, eval_metrics, skipped = 0.0, {}, 0
+  images_per_second, eval_metrics, skipped, reported_skipped = 0.0, {}, 0, 0
   window_start, window_steps = time.time(), 0
   try:
     for step in range(start_step + 1, total_steps + 1):
       batch, host = next(train_batches)
       state, metrics = train_step(state, batch)
       window_steps += 1
+      if step == start_step + 1:  # keep compilation out of the throughput
+        jax.block_until_ready(state)
+        window_start, window_steps = time.time(), 0
       skipped = max(skipped, int(host['skipped'].max()))
       log_now = step % config.log_every_steps == 0 or step == total_steps
       checkpoint_now = (step % config.checkpoint_every_steps == 0 or step == total_steps
@@ -233,12 +240,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             f'Non-finite training metrics at step {step}: {scalars}. Stopped without '
             f'saving; the last good checkpoint (step {last_good}) is kept in '
             f'{checkpoints.directory}. Lower base_learning_rate or raise warmup_epochs.')
-      elapsed = time.time() - window_start
-      if step > start_step + 1:  # the first window includes compilation
-        images_per_second = window_steps * config.global_batch_size / elapsed
-      window_start, window_steps = time.time(), 0
-      scalars.update(learning_rate=float(schedule(step - 1)),
-                     images_per_second=images_per_second, skipped_images=skipped)
+      if window_steps:
+        images_per_second = (window_steps * config.global_batch_size
+                             / (time.time() - window_start))
+      scalars.update(images_per_second=images_per_second, skipped_images=skipped)
       if step % eval_every == 0 or step == total_steps:
         eval_metrics = evaluate()
         scalars.update(eval_metrics)
@@ -246,11 +251,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       progress.set_postfix(loss=f"{scalars['train_loss']:.3f}",
                            img_s=f'{images_per_second:.1f}', refresh=False)
       progress.update(step - progress.n)
-      if skipped:
+      if skipped > reported_skipped:
         logging.warning('Skipped %d unreadable training images so far.', skipped)
+        reported_skipped = skipped
       if checkpoint_now:
         checkpoints.save(step, args=ocp.args.StandardSave(state))
         last_good = step
+      window_start, window_steps = time.time(), 0  # evaluation and saving not counted
       if stop.signal is not None:
         checkpoints.wait_until_finished()
         logging.warning('%s: saved step %d to %s; rerun the same command to resume.',
