@@ -238,6 +238,18 @@ def _specs(rows: int, channels: int, block_sizes: BlockSizes | None, n_coef: int
   return bs, grid, x_spec, coef_spec, params
 
 
+def _out_shape(shape, dtype, like):
+  """Output type of a pallas_call, varying over the same mesh axes as ``like``."""
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
+
+
+def _cost(*arrays, outputs, flops_per_element: int):
+  """The kernel's HBM traffic (operands plus results) for XLA's cost analysis."""
+  nbytes = sum(a.size * a.dtype.itemsize for a in (*arrays, *outputs))
+  return pl.CostEstimate(flops=flops_per_element * arrays[0].size, transcendentals=0,
+                         bytes_accessed=nbytes)
+
+
 def _reduction_out_spec(k: int, bc: int):
   return pl.BlockSpec((k, bc), lambda j, i: (0, j))
 
@@ -247,10 +259,11 @@ def _stats_pallas(x, *, block_sizes=None):
   rows, channels = x.shape
   bs, grid, x_spec, _, params = _specs(rows, channels, block_sizes, 0, reduce=True)
   kernel = functools.partial(_stats_kernel, rows=rows, block_rows=bs.block_rows)
+  out_shape = _out_shape((2, channels), jnp.float32, x)
   return pl.pallas_call(
       kernel, grid=grid, in_specs=[x_spec],
-      out_specs=_reduction_out_spec(2, bs.block_channels),
-      out_shape=jax.ShapeDtypeStruct((2, channels), jnp.float32),
+      out_specs=_reduction_out_spec(2, bs.block_channels), out_shape=out_shape,
+      cost_estimate=_cost(x, outputs=[out_shape], flops_per_element=5),
       compiler_params=params, name="bn_stats")(x)
 
 
@@ -264,10 +277,11 @@ def stats(x, *, block_sizes: BlockSizes | None = None):
 def _normalize_pallas(x, coef, *, relu, block_sizes=None):
   rows, channels = x.shape
   _, grid, x_spec, coef_spec, params = _specs(rows, channels, block_sizes, 3, reduce=False)
+  out_shape = _out_shape(x.shape, x.dtype, x)
   return pl.pallas_call(
       functools.partial(_normalize_kernel, relu=relu), grid=grid,
-      in_specs=[x_spec, coef_spec], out_specs=x_spec,
-      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      in_specs=[x_spec, coef_spec], out_specs=x_spec, out_shape=out_shape,
+      cost_estimate=_cost(x, coef, outputs=[out_shape], flops_per_element=4),
       compiler_params=params, name="bn_normalize")(x, coef)
 
 
@@ -283,10 +297,11 @@ def _backward_sums_pallas(x, dy, coef, *, relu, block_sizes=None):
   bs, grid, x_spec, coef_spec, params = _specs(rows, channels, block_sizes, 3, reduce=True)
   kernel = functools.partial(_backward_sums_kernel, rows=rows, block_rows=bs.block_rows,
                              relu=relu)
+  out_shape = _out_shape((2, channels), jnp.float32, x)
   return pl.pallas_call(
       kernel, grid=grid, in_specs=[x_spec, x_spec, coef_spec],
-      out_specs=_reduction_out_spec(2, bs.block_channels),
-      out_shape=jax.ShapeDtypeStruct((2, channels), jnp.float32),
+      out_specs=_reduction_out_spec(2, bs.block_channels), out_shape=out_shape,
+      cost_estimate=_cost(x, dy, coef, outputs=[out_shape], flops_per_element=7),
       compiler_params=params, name="bn_backward_sums")(x, dy, coef)
 
 
@@ -301,10 +316,11 @@ def backward_sums(x, dy, coef, *, relu: bool, block_sizes: BlockSizes | None = N
 def _backward_dx_pallas(x, dy, coef, *, relu, block_sizes=None):
   rows, channels = x.shape
   _, grid, x_spec, coef_spec, params = _specs(rows, channels, block_sizes, 5, reduce=False)
+  out_shape = _out_shape(x.shape, x.dtype, x)
   return pl.pallas_call(
       functools.partial(_backward_dx_kernel, relu=relu), grid=grid,
-      in_specs=[x_spec, x_spec, coef_spec], out_specs=x_spec,
-      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      in_specs=[x_spec, x_spec, coef_spec], out_specs=x_spec, out_shape=out_shape,
+      cost_estimate=_cost(x, dy, coef, outputs=[out_shape], flops_per_element=9),
       compiler_params=params, name="bn_backward_dx")(x, dy, coef)
 
 
