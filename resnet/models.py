@@ -19,6 +19,8 @@ import functools
 import flax.linen as nn
 import jax.numpy as jnp
 
+from torus_collectives import nn as tc_nn
+
 
 
 class BottleneckBlock(nn.Module):
@@ -82,9 +84,10 @@ class ResNet(nn.Module):
                              kernel_init=nn.initializers.variance_scaling(
                                  2.0, 'fan_out', 'normal'))
     norm = functools.partial(
-        nn.BatchNorm, use_running_average=not train, momentum=self.bn_momentum,
+        tc_nn.BatchNorm, use_running_average=not train, momentum=self.bn_momentum,
         epsilon=self.bn_epsilon, dtype=self.dtype,
-        axis_name=self.axis_name if train else None)
+        axis_name=self.axis_name if train else None,
+        group_size=self.bn_group_size if train else None)
     x = conv(self.num_filters, (7, 7), (2, 2), padding=[(3, 3), (3, 3)],
              name='stem_conv')(x.astype(self.dtype))
     x = nn.relu(norm(name='stem_bn')(x))

@@ -43,12 +43,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.bn_group_size = 0
 
   # Optimisation: LARS, peak LR = base_learning_rate * global_batch_size / 256.
-  c.global_batch_size = 128
-  c.eval_batch_size = 128
-  c.num_epochs = 6.0
+  c.global_batch_size = 64
+  c.eval_batch_size = 360
+  c.num_epochs = 4.0
   c.num_train_steps = -1  # > 0 overrides num_epochs
-  c.warmup_epochs = 1.0
-  c.base_learning_rate = 2.0
+  c.warmup_epochs = 0.5
+  c.base_learning_rate = 20.0
   c.end_learning_rate = 1e-4
   c.lr_decay_power = 2.0
   c.weight_decay = 1e-4
@@ -61,7 +61,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Bookkeeping.
   c.seed = 0
-  c.log_every_steps = 5
+  c.log_every_steps = 2
   c.eval_every_epochs = 1.0
-  c.checkpoint_every_steps = 50
+  c.checkpoint_every_steps = 25
   return c
