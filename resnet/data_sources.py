@@ -124,9 +124,12 @@ def imagenet_split(data_dir: str | None, split: str, *, process_index: int,
   dataset = dataset.map(lambda r: {
       'image': r['image'], 'label': tf.cast(r['label'], tf.int32),
       'id': tf.strings.to_hash_bucket_fast(r['file_name'], 2**62)})
-  info = builder.info
-  return Split(dataset, info.splits[shard].num_examples,
-               info.splits[split].num_examples, info.features['label'].num_classes)
+  whole = builder.as_dataset(split=split, decoders={'image': tfds.decode.SkipDecoding()})
+  num_examples, total = int(dataset.cardinality()), int(whole.cardinality())
+  if min(num_examples, total) < 0:
+    raise ValueError(f'tfds reports no example count for imagenet2012 {split=}; '
+                     'regenerate it with tfds build imagenet2012.')
+  return Split(dataset, num_examples, total, builder.info.features['label'].num_classes)
 
 
 def get_split(name: str, data_dir: str | os.PathLike, split: str, *,
