@@ -107,7 +107,7 @@ def imagenet_split(data_dir: str | None, split: str, *, process_index: int,
                    process_count: int) -> Split:
   """This process's even share of tfds ``imagenet2012``, images left encoded."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  builder = tfds.builder('imagenet2012', data_dir=data_dir)
+  builder = tfds.builder('imagenet2012', data_dir=data_dir or None)
   try:
     builder.download_and_prepare()
   except AssertionError as e:  # tfds signals a missing manual download this way

@@ -182,9 +182,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   checkpoints = ocp.CheckpointManager(
       workdir / 'checkpoints', options=ocp.CheckpointManagerOptions(max_to_keep=2))
   # rbg: XLA's RngBitGenerator compiles far faster than threefry for large inits.
-  state = jax.device_put(init(jax.random.key(config.seed, impl='rbg')), replicated)
-  if checkpoints.latest_step() is not None:
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  key = jax.random.key(config.seed, impl='rbg')
+  if checkpoints.latest_step() is None:
+    state = jax.device_put(init(key), replicated)
+  else:  # shapes only: nothing is initialised just to be overwritten
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+        jax.eval_shape(init, key))
     state = checkpoints.restore(checkpoints.latest_step(),
                                 args=ocp.args.StandardRestore(abstract))
     logging.warning('Resumed from step %d in %s', int(state.step), checkpoints.directory)

@@ -83,12 +83,18 @@ def test_sigterm_checkpoints_and_resume_is_bitwise_equal(full_run, data_dir, tmp
   monkeypatch.setattr(input_pipeline, 'device_prefetch', prefetch_then_sigterm)
   stopped = train.train_and_evaluate(tiny_config(data_dir), str(tmp_path))
   assert stopped['step'] == interrupt_after + 1
+  with ocp.CheckpointManager(tmp_path / 'checkpoints') as manager:
+    assert manager.all_steps() == [interrupt_after + 1]
   monkeypatch.setattr(input_pipeline, 'device_prefetch', real_prefetch)
   resumed = train.train_and_evaluate(tiny_config(data_dir), str(tmp_path))
   assert resumed['step'] == TOTAL_STEPS
 
   expected, actual = _final_state(full_run[0]), _final_state(tmp_path)
   jax.tree.map(np.testing.assert_array_equal, expected, actual)
+  # Each step logged once: the second run continued where the first stopped.
+  steps = [json.loads(line)['step']
+           for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  assert steps == list(range(1, TOTAL_STEPS + 1))
   assert _losses(tmp_path) == _losses(full_run[0])
 
 
