@@ -12,6 +12,7 @@ import os
 
 from absl import app
 from absl import flags
+from absl import logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
@@ -25,14 +26,14 @@ _NUM_PROCESSES = flags.DEFINE_integer(
 _PROCESS_ID = flags.DEFINE_integer(
     'process_id', int(os.environ.get('JAX_PROCESS_ID', 0)), 'This process, 0-based.')
 flags.mark_flags_as_required(['config', 'workdir'])
-# Checkpoint libraries log every save at INFO; keep the progress bar readable by default.
-flags.FLAGS.set_default('verbosity', -1)
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   config = _CONFIG.value
+  if not flags.FLAGS['verbosity'].present:  # orbax logs every save at INFO
+    logging.set_verbosity(logging.WARNING)
   on_cpu = os.environ.get('JAX_PLATFORMS', '') == 'cpu'
   if on_cpu and config.simulated_cpu_devices:
     os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform'

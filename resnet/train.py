@@ -234,8 +234,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         window_start, window_steps = time.time(), 0
       skipped = max(skipped, int(host['skipped'].max()))
       log_now = step % config.log_every_steps == 0 or step == total_steps
+      stopping = stop.signal is not None  # read once: a signal may land mid-iteration
       checkpoint_now = (step % config.checkpoint_every_steps == 0 or step == total_steps
-                        or stop.signal is not None)
+                        or stopping)
       if not (log_now or checkpoint_now or step % eval_every == 0):
         continue
       scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -262,7 +263,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         checkpoints.save(step, args=ocp.args.StandardSave(state))
         last_good = step
       window_start, window_steps = time.time(), 0  # evaluation and saving not counted
-      if stop.signal is not None:
+      if stopping:
         checkpoints.wait_until_finished()
         logging.warning('%s: saved step %d to %s; rerun the same command to resume.',
                         stop.signal, step, checkpoints.directory)

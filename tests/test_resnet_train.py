@@ -4,6 +4,7 @@ plot, SIGTERM, bitwise resume, and two processes matching one."""
 import json
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -127,3 +128,16 @@ def test_two_processes_match_one(full_run, data_dir, tmp_path):
   one, two = _losses(full_run[0]), _losses(tmp_path)
   assert one.keys() == two.keys()
   np.testing.assert_allclose([two[k] for k in one], list(one.values()), rtol=1e-5)
+
+
+def test_non_finite_metrics_stop_and_keep_the_last_good_checkpoint(full_run, data_dir,
+                                                                    tmp_path):
+  workdir = tmp_path / 'run'
+  shutil.copytree(full_run[0], workdir)
+  # Resuming at step 4 of 6 with a NaN learning rate poisons step 5's metrics.
+  config = tiny_config(data_dir, num_train_steps=TOTAL_STEPS + 2,
+                       base_learning_rate=float('nan'))
+  with pytest.raises(FloatingPointError, match=r'last good checkpoint \(step 4\) is kept'):
+    train.train_and_evaluate(config, str(workdir))
+  with ocp.CheckpointManager(workdir / 'checkpoints') as manager:
+    assert manager.all_steps() == [2, 4]

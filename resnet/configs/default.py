@@ -45,10 +45,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Optimisation: LARS, peak LR = base_learning_rate * global_batch_size / 256.
   c.global_batch_size = 64
   c.eval_batch_size = 360
-  c.num_epochs = 6.0
+  c.num_epochs = 5.0
   c.num_train_steps = -1  # > 0 overrides num_epochs
-  c.warmup_epochs = 0.5
-  c.base_learning_rate = 20.0
+  c.warmup_epochs = 1.0
+  c.base_learning_rate = 4.0
   c.end_learning_rate = 1e-4
   c.lr_decay_power = 2.0
   c.weight_decay = 1e-4
