@@ -222,7 +222,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   progress = tqdm.tqdm(total=total_steps, initial=start_step, unit='step',
                        disable=jax.process_index() != 0, dynamic_ncols=True)
   last_good = checkpoints.latest_step()
-  images_per_second, eval_metrics, skipped, reported_skipped = 0.0, {}, 0, 0
+  images_per_second, eval_metrics, evaluated_at = 0.0, {}, None
+  skipped = reported_skipped = 0
   window_start, window_steps = time.time(), 0
   try:
     for step in range(start_step + 1, total_steps + 1):
@@ -250,7 +251,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                              / (time.time() - window_start))
       scalars.update(images_per_second=images_per_second, skipped_images=skipped)
       if step % eval_every == 0 or step == total_steps:
-        eval_metrics = evaluate()
+        eval_metrics, evaluated_at = evaluate(), step
         scalars.update(eval_metrics)
       writer.write(step, scalars)
       progress.set_postfix(loss=f"{scalars['train_loss']:.3f}",
@@ -274,13 +275,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     progress.close()
     stop.restore()
 
-  if not eval_metrics:  # resumed at the last step, or stopped before any evaluation
+  if evaluated_at != int(state.step):  # stopped by a signal, or resumed at the end
     eval_metrics = evaluate()
   wall = time.time() - start_time
   plot = reporting.plot_curves(workdir)
   summary = {**eval_metrics, 'images_per_second': images_per_second, 'wall_seconds': wall,
              'step': int(state.step), 'skipped_images': skipped}
-  if jax.process_index() == 0 and eval_metrics:
+  if jax.process_index() == 0:
     print(f"{config.model} on {config.dataset}: top-1 {eval_metrics['eval_top1']:.2%}, "
           f"top-5 {eval_metrics['eval_top5']:.2%} after {int(state.step)} steps; "
           f'{images_per_second:.1f} images/s; wall time {wall:.0f} s; curves in {plot}')
