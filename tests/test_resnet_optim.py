@@ -1,5 +1,7 @@
 """LARS leaves batch-norm parameters and biases alone: no trust ratio, no weight decay."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,8 @@ def _params():
 
 def test_kernel_mask_selects_only_kernels_of_a_resnet():
   model = models.create_model('resnet_tiny', num_classes=3, dtype=jnp.float32)
-  params = model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)), train=False)['params']
+  init = functools.partial(model.init, train=False)
+  params = jax.eval_shape(init, jax.random.key(0), jnp.zeros((1, 16, 16, 3)))['params']
   flat = jax.tree_util.tree_flatten_with_path(optim.kernel_mask(params))[0]
   for path, included in flat:
     assert included == (path[-1].key == 'kernel'), path
