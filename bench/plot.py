@@ -126,14 +126,15 @@ def markdown(data: dict) -> str:
                    + " |")
   others = [b for b in data["benchmarks"] if "items_per_s" in b["extra_info"]]
   if others:
-    lines += ["", "| group | variant | median ms | throughput | time ratio |", "|---" * 5 + "|"]
+    lines += ["", "| group | variant | median ms | throughput | baseline | t/t_baseline |",
+              "|---" * 6 + "|"]
     for b in sorted(others, key=lambda b: (b["group"], b["extra_info"]["variant"])):
       info = b["extra_info"]
       ratio = next((v for k, v in info.items() if k.startswith("time_ratio_to_")), None)
       lines.append(
           f"| {b['group']} | {info['variant']} | {b['stats']['median'] * 1e3:.2f} | "
           f"{info['items_per_s']:.1f} {info.get('unit', 'items/s')} | "
-          f"{'-' if ratio is None else f'{ratio:.2f}'} |")
+          f"{info.get('baseline', '-')} | {'-' if ratio is None else f'{ratio:.2f}'} |")
   return "\n".join(lines) + "\n"
 
 
