@@ -147,7 +147,7 @@ def main(argv: list[str]) -> None:
     plot_collectives(entries, "busbw_GBps", "busbw (GB/s)", out / "collectives_busbw.png",
                      logy=True)
     plot_collectives(entries, "time_ratio_to_xla", "time / time(xla)",
-                     out / "collectives_ratio.png", reference_line=1.0)
+                     out / "collectives_ratio.png", reference_line=1.0, logy=True)
   plot_throughput(data["benchmarks"], out / "throughput.png")
   cost_model.plot_time_vs_p(str(out / "cost_model_time_vs_p.png"))
   (out / "latest.md").write_text(markdown(data))
