@@ -1,0 +1,107 @@
+"""The schedules, run by the numpy executor: exact sums, chunk ownership, bytes moved."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from torus_collectives import schedule as S
+
+TWO_D = [S.Variant.TORUS_2D, S.Variant.TORUS_2D_SPLIT]
+ONE_D = [S.Variant.RING, S.Variant.BIDIRECTIONAL_RING]
+
+
+def _random_buffers(torus, chunk, seed):
+  # Small integers: float64 sums are exact in any order, so equality is exact.
+  rng = np.random.default_rng(seed)
+  return rng.integers(-8, 8, size=torus + torus + (chunk,)).astype(np.float64)
+
+
+def _check(collective, torus, variant, seed):
+  sched = S.build(collective, torus, variant)
+  chunk = 2 * sched.num_streams
+  buffers = _random_buffers(torus, chunk, seed)
+  out, link_bytes = S.simulate(sched, buffers)
+  devices = list(np.ndindex(*torus))
+  total = sum(buffers[d] for d in devices)
+  for d in devices:
+    if collective == "all_reduce":
+      np.testing.assert_array_equal(out[d], total)
+    elif collective == "reduce_scatter":
+      np.testing.assert_array_equal(out[d][d], total[d])
+    else:
+      for c in devices:
+        np.testing.assert_array_equal(out[d][c], buffers[c][c])
+  p = math.prod(torus)
+  full = p * chunk  # elements of the full, unscattered buffer
+  per_device = {d: 0 for d in devices}
+  for (d, _, _), n in link_bytes.items():
+    per_device[d] += n
+  factor = 2 if collective == "all_reduce" else 1
+  for d in devices:
+    assert per_device[d] == factor * (p - 1) * full // p
+  assert sched.bytes_sent_per_device(full) == pytest.approx(factor * (p - 1) / p * full)
+  return sched
+
+
+@settings(max_examples=40, deadline=None)
+@given(x=st.integers(1, 6), y=st.integers(1, 6), seed=st.integers(0, 2**16),
+       variant=st.sampled_from(TWO_D),
+       collective=st.sampled_from(["all_reduce", "reduce_scatter", "all_gather"]))
+def test_two_d_variants_are_exact(x, y, seed, variant, collective):
+  sched = _check(collective, (x, y), variant, seed)
+  rings = 2 if collective == "all_reduce" else 1
+  assert sched.num_steps == rings * ((x - 1) + (y - 1))
+
+
+@settings(max_examples=30, deadline=None)
+@given(p=st.integers(1, 16), seed=st.integers(0, 2**16), variant=st.sampled_from(ONE_D),
+       collective=st.sampled_from(["all_reduce", "reduce_scatter", "all_gather"]))
+def test_ring_variants_are_exact(p, seed, variant, collective):
+  sched = _check(collective, (p,), variant, seed)
+  rings = 2 if collective == "all_reduce" else 1
+  assert sched.num_steps == rings * (p - 1)
+
+
+def test_split_torus_uses_all_four_links_every_step():
+  sched = S.build("all_reduce", (4, 4), S.Variant.TORUS_2D_SPLIT)
+  for step in sched.steps():
+    links = {(t.phase.axis, t.phase.direction) for t in step}
+    assert links == {(0, 1), (0, -1), (1, 1), (1, -1)}
+
+
+def test_torus_2d_steps_are_fewer_than_ring():
+  ring = S.build("all_reduce", (32 * 32,), S.Variant.RING)
+  torus = S.build("all_reduce", (32, 32), S.Variant.TORUS_2D)
+  assert (ring.num_steps, torus.num_steps) == (2 * 1023, 4 * 31)
+
+
+def test_send_and_recv_slabs_pair_up_between_neighbours():
+  phase = S.Phase("reduce_scatter", axis=0, direction=-1)
+  for step in range(4):
+    for r in range(5):
+      neighbour = (r + phase.direction) % 5
+      assert phase.send_slab(r, step, 5) == phase.recv_slab(neighbour, step, 5)
+
+
+@pytest.mark.parametrize("variant,torus", [("ring", (2, 4)), ("torus_2d", (8,))])
+def test_variant_rejects_wrong_torus_rank(variant, torus):
+  with pytest.raises(ValueError, match="torus"):
+    S.build("all_reduce", torus, variant)
+
+
+def test_unknown_variant_is_rejected():
+  with pytest.raises(ValueError, match="not a valid Variant"):
+    S.build("all_reduce", (2, 2), "tree")
+
+
+def test_phase_rejects_bad_direction():
+  with pytest.raises(ValueError, match="direction"):
+    S.Phase("reduce_scatter", 0, 2)
+
+
+def test_simulate_rejects_bad_buffer_shape():
+  sched = S.build("all_reduce", (2, 2), "torus_2d")
+  with pytest.raises(ValueError, match="shape"):
+    S.simulate(sched, np.zeros((2, 2, 2, 4)))

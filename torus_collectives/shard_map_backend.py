@@ -1,0 +1,149 @@
+"""The portable implementation: a torus ``Schedule`` executed with ``lax.ppermute``.
+
+It runs inside the caller's ``jax.shard_map`` on any backend and any number of processes.
+Each device keeps, per stream, its *live* buffer: the chunk grid restricted to the axes not
+yet reduced (see ``schedule``). A reduce-scatter step sends one slab along a ring and adds
+the slab it receives; at the end of a phase the device keeps only its own slab, so the
+buffer shrinks by the ring size. An all-gather step does the opposite. All streams of a
+step are independent, so XLA may overlap their transfers.
+
+Assumptions: every device runs the same program (SPMD), ring position along an axis is
+``lax.axis_index``. Data travels in the input dtype; floating-point partial sums are
+accumulated in float32 at least (a bfloat16 slab is widened on arrival, added, and narrowed
+again only to be sent on); integers are summed in their own type.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from torus_collectives import schedule as schedule_lib
+
+AxisNames = tuple[str, ...]
+
+
+def _accumulation_dtype(dtype) -> jnp.dtype:
+  if jnp.issubdtype(dtype, jnp.floating):
+    return jnp.promote_types(dtype, jnp.float32)
+  return jnp.dtype(dtype)
+
+
+def _ring_perm(size: int, direction: int) -> list[tuple[int, int]]:
+  return [(i, (i + direction) % size) for i in range(size)]
+
+
+@functools.lru_cache(maxsize=None)
+def _schedule(collective: str, torus: tuple[int, ...]) -> schedule_lib.Schedule:
+  return schedule_lib.build(collective, torus, schedule_lib.default_variant(torus))
+
+
+def _step(buf, transfer, axes, torus, positions, wire_dtype):
+  """One transfer of one stream on a live buffer laid out as (live axes..., width)."""
+  phase = transfer.phase
+  n = torus[phase.axis]
+  dim = transfer.live_axes.index(phase.axis)
+  pos = positions[phase.axis]
+  shift = transfer.step + 1 if phase.kind == "reduce_scatter" else transfer.step
+  send_at = (pos - phase.direction * shift) % n
+  recv_at = (pos - phase.direction * (shift + 1)) % n
+  outgoing = lax.dynamic_index_in_dim(buf, send_at, dim, keepdims=True).astype(wire_dtype)
+  incoming = lax.ppermute(outgoing, axes[phase.axis], _ring_perm(n, phase.direction))
+  incoming = incoming.astype(buf.dtype)
+  if phase.kind == "reduce_scatter":
+    incoming = incoming + lax.dynamic_index_in_dim(buf, recv_at, dim, keepdims=True)
+  return lax.dynamic_update_index_in_dim(buf, incoming, recv_at, dim)
+
+
+def _run(schedule, streams, axes, positions, wire_dtype):
+  """Executes ``schedule`` on per-stream live buffers, all streams in lockstep."""
+  torus = schedule.torus
+  per_stream = [schedule.stream_transfers(k) for k in range(schedule.num_streams)]
+  streams = list(streams)
+  for step in range(schedule.num_steps):
+    for k, transfers in enumerate(per_stream):
+      transfer = transfers[step]
+      phase = transfer.phase
+      dim = transfer.live_axes.index(phase.axis)
+      if phase.kind == "all_gather" and transfer.step == 0:
+        # Open the gathered axis: own slab in place, the rest filled in by the ring.
+        own = jnp.expand_dims(streams[k], dim)
+        grown = jnp.zeros(
+            own.shape[:dim] + (torus[phase.axis],) + own.shape[dim + 1:], own.dtype)
+        streams[k] = lax.dynamic_update_index_in_dim(grown, own, positions[phase.axis], dim)
+      streams[k] = _step(streams[k], transfer, axes, torus, positions, wire_dtype)
+      if phase.kind == "reduce_scatter" and transfer.step == torus[phase.axis] - 2:
+        streams[k] = lax.dynamic_index_in_dim(
+            streams[k], positions[phase.axis], dim, keepdims=False)
+  return streams
+
+
+def _drop_trivial_axes(axes: AxisNames, torus: tuple[int, ...]):
+  """A collective over a size-1 axis is the identity: leave such axes out."""
+  kept = [(a, n) for a, n in zip(axes, torus) if n > 1]
+  return tuple(a for a, _ in kept), tuple(n for _, n in kept)
+
+
+def _execute(collective: str, x: jax.Array, axes: AxisNames, torus: tuple[int, ...],
+             wire_dtype) -> jax.Array:
+  """Runs ``collective`` on ``x``: a chunk grid ``torus + (width,)``, or ``(width,)`` for
+  an all-gather. Returns the grid (all-reduce, all-gather) or the own chunk. Slabs travel
+  in ``wire_dtype`` and are summed in ``x.dtype``."""
+  axes, torus = _drop_trivial_axes(axes, torus)
+  if collective != "all_gather":
+    x = x.reshape(torus + x.shape[-1:])
+  if not axes:
+    return x
+  schedule = _schedule(collective, torus)
+  positions = [lax.axis_index(a) for a in axes]
+  streams = jnp.split(x, schedule.num_streams, axis=-1)
+  outputs = _run(schedule, streams, axes, positions, wire_dtype)
+  return jnp.concatenate(outputs, axis=-1)
+
+
+def _padded_width(m: int, torus: tuple[int, ...]) -> int:
+  _, kept = _drop_trivial_axes(torus, torus)
+  streams = _schedule("all_reduce", kept).num_streams if kept else 1
+  return -(-m // streams) * streams
+
+
+def _to_grid(x: jax.Array, p: int, m: int, width: int, dtype) -> jax.Array:
+  """(p*m,) -> (p, width) with zero padding, in ``dtype``."""
+  grid = x.reshape(p, m).astype(dtype)
+  return jnp.pad(grid, ((0, 0), (0, width - m))) if width > m else grid
+
+
+def reduce_scatter(x: jax.Array, axes: AxisNames, torus: tuple[int, ...]) -> jax.Array:
+  """(p*m,) -> (m,): this device's chunk of the sum, chunks row-major over ``axes``."""
+  p = math.prod(torus)
+  m = x.shape[0] // p
+  width = _padded_width(m, torus)
+  grid = _to_grid(x, p, m, width, _accumulation_dtype(x.dtype))
+  out = _execute(
+      "reduce_scatter", grid.reshape(torus + (width,)), axes, torus, x.dtype)
+  return out.reshape(width)[:m].astype(x.dtype)
+
+
+def all_gather(x: jax.Array, axes: AxisNames, torus: tuple[int, ...]) -> jax.Array:
+  """(m,) -> (p*m,): every device's chunk, row-major over ``axes``."""
+  p, m = math.prod(torus), x.shape[0]
+  width = _padded_width(m, torus)
+  chunk = jnp.pad(x, (0, width - m)) if width > m else x
+  out = _execute("all_gather", chunk, axes, torus, x.dtype)
+  return out.reshape(p, width)[:, :m].reshape(p * m)
+
+
+def all_reduce(x: jax.Array, axes: AxisNames, torus: tuple[int, ...]) -> jax.Array:
+  """(n,) -> (n,): the sum over ``axes``, identical on every device."""
+  p, n = math.prod(torus), x.shape[0]
+  m = -(-n // p)
+  width = _padded_width(m, torus)
+  flat = jnp.pad(x, (0, p * m - n)) if p * m > n else x
+  grid = _to_grid(flat, p, m, width, _accumulation_dtype(x.dtype))
+  out = _execute(
+      "all_reduce", grid.reshape(torus + (width,)), axes, torus, x.dtype)
+  return out.reshape(p, width)[:, :m].reshape(p * m)[:n].astype(x.dtype)
