@@ -16,9 +16,9 @@ and viewed as ``S`` stream slices of ``R`` rows of 128 lanes, ``R`` a multiple o
 block (itself a multiple of 16 rows, the bfloat16 tiling). Any ``m``, ``n`` is accepted; the
 padding travels over the links, so tiny buffers pay for up to a block of rows per stream.
 
-dtypes: float32 and int32 reduce in their own type; bfloat16 is reduced in float32 (the
-reduce-scatter's partial sums travel as float32) and rounded once at the end, and the
-all-gather moves bfloat16.
+dtypes: float32 and int32 reduce in their own type; bfloat16 and float16 are reduced in
+float32 (the reduce-scatter's partial sums travel as float32) and rounded once at the end,
+and the all-gather moves the 16-bit values.
 
 Platforms: on TPU v4 and newer the kernels compile with Mosaic. Elsewhere they run only in
 TPU interpret mode, when the caller traces them inside
@@ -39,8 +39,10 @@ from jax._src import config as jax_config
 from kernels import config as config_lib
 from kernels import torus_kernels
 from torus_collectives import schedule as schedule_lib
+from torus_collectives._vma import ensure_varying
 
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int32))
+SUPPORTED_DTYPES = tuple(
+    jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32))
 # Generations whose libtpu cannot compile a Pallas remote DMA.
 UNSUPPORTED_TPU_KINDS = ("TPU v2", "TPU v3")
 
@@ -79,14 +81,17 @@ def _target() -> tuple[tuple[str, ...], str]:
 def _check(x: jax.Array, axes: Sequence[str], torus: Sequence[int]) -> None:
   if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
     raise NotImplementedError(
-        f"the Pallas torus kernels support float32, bfloat16 and int32, got {x.dtype=}")
+        f"the Pallas torus kernels support float32, bfloat16, float16 and int32, got "
+        f"{x.dtype=}")
   if x.ndim != 1 or len(axes) != len(torus) or len(axes) not in (1, 2):
     raise ValueError(f"expected a 1-D buffer and 1 or 2 torus axes, got {x.shape=}, "
                      f"{axes=}, {torus=}")
 
 
 def _work_dtype(dtype) -> jnp.dtype:
-  return jnp.dtype(jnp.float32) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
+  """Reduction dtype: 16-bit floats are summed in float32."""
+  dtype = jnp.dtype(dtype)
+  return jnp.dtype(jnp.float32) if jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
 class _Plan:
@@ -123,12 +128,12 @@ class _Plan:
   def run_reduce_scatter(self, grid: jax.Array) -> jax.Array:
     """``(*torus, S, R, 128)`` -> this device's fully reduced ``(S, R, 128)`` chunk."""
     acc = torus_kernels.reduce_scatter_call(
-        grid, self.reduce_scatter, self.axes, self.mesh_axes, self.config.block_rows)
+        ensure_varying(grid, self.axes), self.reduce_scatter, self.axes, self.mesh_axes, self.config.block_rows)
     return acc[self.own_index()]
 
   def run_all_gather(self, chunk: jax.Array) -> jax.Array:
     """``(S, R, 128)`` -> ``(p, S*R*128)``."""
-    out = torus_kernels.all_gather_call(chunk, self.all_gather, self.axes, self.mesh_axes)
+    out = torus_kernels.all_gather_call(ensure_varying(chunk, self.axes), self.all_gather, self.axes, self.mesh_axes)
     return out.reshape(math.prod(self.torus), -1)
 
 

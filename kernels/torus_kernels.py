@@ -27,6 +27,9 @@ Synchronisation:
   downstream device changes between phases and signals from two different devices must not
   be confused.
 
+Under ``shard_map(check_vma=True)`` the outputs carry the input's varying axes, so callers
+pass inputs already varying over the torus axes.
+
 Assumptions: integer and float32 buffers only (callers accumulate bfloat16 in float32);
 ``R`` is a multiple of ``block_rows``; the kernels run inside ``shard_map`` with the torus
 axes bound, and device ids are mesh coordinates over all axes of the surrounding mesh.
@@ -56,18 +59,30 @@ def _mod(x, n: int):
   return lax.rem(x + n, n)
 
 
+def mesh_coordinates(mesh_axes: Sequence[str]) -> jax.Array:
+  """This device's coordinates over all ``mesh_axes``, the kernels' first (SMEM) operand.
+
+  The kernels read their position from this operand rather than calling ``axis_index``
+  themselves, which keeps their bodies free of varying-axes types under ``check_vma``.
+  """
+  return jnp.stack([lax.axis_index(a) for a in mesh_axes]).astype(jnp.int32)
+
+
 class _Topology:
   """Where this device sits on the torus, and how to name its neighbours as DMA targets."""
 
-  def __init__(self, axes: Sequence[str], torus: Sequence[int], mesh_axes: Sequence[str]):
+  def __init__(self, axes: Sequence[str], torus: Sequence[int], mesh_axes: Sequence[str],
+               coords_ref):
     self.axes, self.torus, self.mesh_axes = tuple(axes), tuple(torus), tuple(mesh_axes)
-    self.coords = tuple(lax.axis_index(a) for a in self.axes)
+    self.mesh_coords = tuple(coords_ref[i] for i in range(len(self.mesh_axes)))
+    self.coords = tuple(self.mesh_coords[self.mesh_axes.index(a)] for a in self.axes)
 
   def neighbour(self, axis: int, direction: int) -> tuple:
     """Mesh coordinates of the device ``direction`` steps away along torus axis ``axis``."""
-    moved = dict(zip(self.axes, self.coords))
-    moved[self.axes[axis]] = _mod(self.coords[axis] + direction, self.torus[axis])
-    return tuple(moved[a] if a in moved else lax.axis_index(a) for a in self.mesh_axes)
+    moved = list(self.mesh_coords)
+    moved[self.mesh_axes.index(self.axes[axis])] = _mod(
+        self.coords[axis] + direction, self.torus[axis])
+    return tuple(moved)
 
   def slab(self, phase: schedule_lib.Phase, step: int, *, sending: bool):
     """Grid index along ``phase.axis`` this device sends (or receives) at ``step``."""
@@ -133,10 +148,10 @@ def _accumulate(dst, src, buf_own, buf_in, sems) -> None:
   lax.fori_loop(0, chunks * blocks_per_chunk, body, 0)
 
 
-def _reduce_scatter_kernel(schedule, topo_args, x_ref, acc_ref, recv_ref, send_sems,
+def _reduce_scatter_kernel(schedule, topo_args, coords_ref, x_ref, acc_ref, recv_ref, send_sems,
                            recv_sems, capacity, buf_own, buf_in, local_sems):
   del x_ref  # aliased with acc_ref: the reduction works in place
-  topo = _Topology(*topo_args)
+  topo = _Topology(*topo_args, coords_ref)
   steps = schedule.steps()
   phase_of = _phase_index(schedule)
   with jax.named_scope("barrier"):
@@ -169,8 +184,8 @@ def _reduce_scatter_kernel(schedule, topo_args, x_ref, acc_ref, recv_ref, send_s
         copy.wait_send()
 
 
-def _all_gather_kernel(schedule, topo_args, x_ref, out_ref, send_sems, recv_sems, local_sem):
-  topo = _Topology(*topo_args)
+def _all_gather_kernel(schedule, topo_args, coords_ref, x_ref, out_ref, send_sems, recv_sems, local_sem):
+  topo = _Topology(*topo_args, coords_ref)
   own = pltpu.make_async_copy(x_ref, out_ref.at[topo.coords], local_sem)
   own.start()
   own.wait()
@@ -194,6 +209,11 @@ def _all_gather_kernel(schedule, topo_args, x_ref, out_ref, send_sems, recv_sems
         copy.wait_send()
 
 
+def _like(x: jax.Array, shape, dtype=None) -> jax.ShapeDtypeStruct:
+  """An output type with ``x``'s varying mesh axes (needed under ``check_vma=True``)."""
+  return jax.ShapeDtypeStruct(shape, dtype or x.dtype, manual_axis_type=jax.typeof(x).mat)
+
+
 def _max_slab_chunks(schedule: schedule_lib.Schedule) -> int:
   return max(t.slab_elements(schedule.torus, 1) for step in schedule.steps() for t in step)
 
@@ -212,14 +232,8 @@ def reduce_scatter_call(x: jax.Array, schedule: schedule_lib.Schedule, axes: Seq
   kernel = functools.partial(_reduce_scatter_kernel, schedule,
                              (tuple(axes), schedule.torus, tuple(mesh_axes)))
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  acc, _ = pl.pallas_call(
-      kernel,
-      out_shape=(
-          jax.ShapeDtypeStruct(x.shape, x.dtype),
-          # Receive slots live in HBM; an output is how a kernel gets an HBM buffer.
-          jax.ShapeDtypeStruct(
-              (streams, _RECV_SLOTS, _max_slab_chunks(schedule), rows, lanes), x.dtype),
-      ),
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1,
       in_specs=[any_spec],
       out_specs=(any_spec, any_spec),
       scratch_shapes=[
@@ -229,13 +243,21 @@ def reduce_scatter_call(x: jax.Array, schedule: schedule_lib.Schedule, axes: Seq
           pltpu.VMEM((block_rows, lanes), x.dtype),
           pltpu.VMEM((block_rows, lanes), x.dtype),
           pltpu.SemaphoreType.DMA((3,)),
-      ],
-      input_output_aliases={0: 0},
+      ])
+  acc, _ = pl.pallas_call(
+      kernel,
+      out_shape=(
+          _like(x, x.shape),
+          # Receive slots live in HBM; an output is how a kernel gets an HBM buffer.
+          _like(x, (streams, _RECV_SLOTS, _max_slab_chunks(schedule), rows, lanes)),
+      ),
+      grid_spec=grid_spec,
+      input_output_aliases={1: 0},  # operand 0 is the coordinates
       compiler_params=pltpu.CompilerParams(
           collective_id=_REDUCE_SCATTER_COLLECTIVE_ID, has_side_effects=True),
       interpret=interpret,
       name="torus_reduce_scatter",
-  )(x)
+  )(mesh_coordinates(mesh_axes), x)
   return acc
 
 
@@ -249,19 +271,22 @@ def all_gather_call(x: jax.Array, schedule: schedule_lib.Schedule, axes: Sequenc
   kernel = functools.partial(_all_gather_kernel, schedule,
                              (tuple(axes), schedule.torus, tuple(mesh_axes)))
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  return pl.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct(schedule.torus + x.shape, x.dtype),
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1,
       in_specs=[any_spec],
       out_specs=any_spec,
       scratch_shapes=[
           pltpu.SemaphoreType.DMA((streams, steps)),
           pltpu.SemaphoreType.DMA((streams, steps)),
           pltpu.SemaphoreType.DMA(()),
-      ],
+      ])
+  return pl.pallas_call(
+      kernel,
+      out_shape=_like(x, schedule.torus + x.shape),
+      grid_spec=grid_spec,
       compiler_params=pltpu.CompilerParams(
           collective_id=_ALL_GATHER_COLLECTIVE_ID, has_side_effects=True),
       interpret=interpret,
       name="torus_all_gather",
-  )(x)
+  )(mesh_coordinates(mesh_axes), x)
 
