@@ -48,10 +48,12 @@ class KernelConfig:
 def default_config(rows_per_slice: int, itemsize: int, device_kind: str) -> KernelConfig:
   """A config for slices of ``rows_per_slice`` rows of ``itemsize``-byte elements.
 
-  Small arrays get one block per slice (no padding beyond the tiling); large ones get the
-  largest block whose pair fits in 1/16 of the generation's scoped VMEM.
+  A block pair may use 1/16 of the generation's scoped VMEM. A slice takes the fewest blocks
+  that respects that cap, each as small as those blocks allow, so the padding of a slice to
+  a whole number of blocks stays under 16 rows per block.
   """
   vmem = _SCOPED_VMEM_BYTES.get(device_kind, _FALLBACK_SCOPED_VMEM_BYTES)
   cap = max(ROW_MULTIPLE, (vmem // 16 // (2 * LANES * itemsize)) // ROW_MULTIPLE * ROW_MULTIPLE)
-  needed = -(-max(rows_per_slice, 1) // ROW_MULTIPLE) * ROW_MULTIPLE
-  return KernelConfig(block_rows=min(cap, needed))
+  rows = max(rows_per_slice, 1)
+  blocks = -(-rows // cap)
+  return KernelConfig(block_rows=-(-rows // (blocks * ROW_MULTIPLE)) * ROW_MULTIPLE)

@@ -13,8 +13,9 @@ phases followed by the all-gather phases, in lockstep).
 
 Layout and padding: chunk ``c`` (``m`` elements) is zero-padded to ``S * R * 128`` elements
 and viewed as ``S`` stream slices of ``R`` rows of 128 lanes, ``R`` a multiple of the VMEM
-block (itself a multiple of 16 rows, the bfloat16 tiling). Any ``m``, ``n`` is accepted; the
-padding travels over the links, so tiny buffers pay for up to a block of rows per stream.
+block (itself a multiple of 16 rows, the bfloat16 tiling). The all-reduce instead pads the
+whole buffer once at its end. Any ``m``, ``n`` is accepted; the padding travels over the
+links, so tiny buffers pay for up to a block of rows per stream.
 
 dtypes: float32 and int32 reduce in their own type; bfloat16 and float16 are reduced in
 float32 (the reduce-scatter's partial sums travel as float32) and rounded once at the end,
@@ -171,9 +172,11 @@ def all_reduce(x: jax.Array, axes: Sequence[str], torus: Sequence[int], *,
   n, p = x.size, math.prod(torus)
   if p == 1:
     return x
-  m = -(-n // p)
   work = _work_dtype(x.dtype)
-  plan = _Plan(axes, torus, m, work.itemsize, config)
-  padded = jnp.pad(x.astype(work), (0, p * m - n))
-  own = plan.run_reduce_scatter(plan.to_grid(padded, m)).astype(x.dtype)
-  return plan.run_all_gather(own)[:, :m].reshape(-1)[:n]
+  plan = _Plan(axes, torus, -(-n // p), work.itemsize, config)
+  # Where the chunk boundaries fall is internal to an all-reduce, so the buffer is padded
+  # once at its end (a prefix-preserving reshape) rather than chunk by chunk.
+  grid_shape = plan.torus + plan.chunk_shape
+  padded = jnp.pad(x.astype(work), (0, math.prod(grid_shape) - n)).reshape(grid_shape)
+  own = plan.run_reduce_scatter(padded).astype(x.dtype)
+  return plan.run_all_gather(own).reshape(-1)[:n]
