@@ -1,8 +1,8 @@
 """Tunables of the remote-DMA torus kernels, and their defaults per shape and TPU generation.
 
 The kernels move data HBM to HBM with remote DMAs and stream the reductions through VMEM in
-blocks of ``block_rows`` x 128 lanes. A block is the unit of VMEM traffic: two blocks (the
-own partial sum and the received one) are resident at a time.
+blocks of ``block_rows`` x 128 lanes. A block is the unit of VMEM traffic: four blocks (the
+own partial sum and the received one, each double-buffered) are resident at a time.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ LANES = 128
 # Every block is a multiple of 16 rows so one config serves all supported dtypes.
 ROW_MULTIPLE = 16
 
-# Default scoped-VMEM limit per generation, in bytes (XLA's defaults). One block pair uses at
-# most 1/16 of it, leaving the rest to whatever XLA schedules around the collective. These are
+# Default scoped-VMEM limit per generation, in bytes (XLA's defaults). The four resident
+# blocks use at most 1/8 of it, leaving the rest to whatever XLA schedules around the collective. These are
 # sizing rules, not tuned values: nothing here has been measured on a TPU.
 _SCOPED_VMEM_BYTES = {
     "TPU v4": 16 << 20,
@@ -48,12 +48,12 @@ class KernelConfig:
 def default_config(rows_per_slice: int, itemsize: int, device_kind: str) -> KernelConfig:
   """A config for slices of ``rows_per_slice`` rows of ``itemsize``-byte elements.
 
-  A block pair may use 1/16 of the generation's scoped VMEM. A slice takes the fewest blocks
+  The four resident blocks may use 1/8 of the generation's scoped VMEM. A slice takes the fewest blocks
   that respects that cap, each as small as those blocks allow, so the padding of a slice to
   a whole number of blocks stays under 16 rows per block.
   """
   vmem = _SCOPED_VMEM_BYTES.get(device_kind, _FALLBACK_SCOPED_VMEM_BYTES)
-  cap = max(ROW_MULTIPLE, (vmem // 16 // (2 * LANES * itemsize)) // ROW_MULTIPLE * ROW_MULTIPLE)
+  cap = max(ROW_MULTIPLE, (vmem // 8 // (4 * LANES * itemsize)) // ROW_MULTIPLE * ROW_MULTIPLE)
   rows = max(rows_per_slice, 1)
   blocks = -(-rows // cap)
   return KernelConfig(block_rows=-(-rows // (blocks * ROW_MULTIPLE)) * ROW_MULTIPLE)

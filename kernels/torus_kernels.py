@@ -124,28 +124,54 @@ def _phase_index(schedule: schedule_lib.Schedule) -> list[list[int]]:
   return out
 
 
-def _accumulate(dst, src, buf_own, buf_in, sems) -> None:
-  """``dst += src`` for two ``(chunks, R, 128)`` HBM views, block by block through VMEM."""
+def _accumulate(dst, src, own_bufs, in_bufs, sems) -> None:
+  """``dst += src`` for two ``(chunks, R, 128)`` HBM views, block by block through VMEM.
+
+  Double-buffered: block ``i + 1`` loads while block ``i`` is added and stored back.
+  ``sems[0|1|2, slot]`` track the own load, the received load and the store of a slot.
+  """
   chunks, rows, _ = dst.shape
-  block = buf_own.shape[0]
-  blocks_per_chunk = rows // block
+  block = own_bufs.shape[1]
+  per_chunk = rows // block
+  total = chunks * per_chunk
+
+  def place(i):
+    return i // per_chunk, pl.ds(pl.multiple_of((i % per_chunk) * block, block), block)
+
+  def loads(i, slot):
+    chunk, rows_ = place(i)
+    return (pltpu.make_async_copy(dst.at[chunk, rows_], own_bufs.at[slot], sems.at[0, slot]),
+            pltpu.make_async_copy(src.at[chunk, rows_], in_bufs.at[slot], sems.at[1, slot]))
+
+  def store(i, slot):
+    chunk, rows_ = place(i)
+    return pltpu.make_async_copy(own_bufs.at[slot], dst.at[chunk, rows_], sems.at[2, slot])
+
+  for copy in loads(0, 0):
+    copy.start()
 
   def body(i, carry):
-    chunk = i // blocks_per_chunk
-    rows_ = pl.ds(pl.multiple_of((i % blocks_per_chunk) * block, block), block)
-    load_own = pltpu.make_async_copy(dst.at[chunk, rows_], buf_own, sems.at[0])
-    load_in = pltpu.make_async_copy(src.at[chunk, rows_], buf_in, sems.at[1])
-    load_own.start()
-    load_in.start()
-    load_own.wait()
-    load_in.wait()
-    buf_own[...] += buf_in[...]
-    store = pltpu.make_async_copy(buf_own, dst.at[chunk, rows_], sems.at[2])
-    store.start()
-    store.wait()
+    slot = i % 2
+    for copy in loads(i, slot):
+      copy.wait()
+
+    @pl.when(i + 1 < total)
+    def _prefetch():
+      @pl.when(i >= 1)
+      def _free_other_slot():
+        store(i - 1, 1 - slot).wait()
+
+      for copy in loads(i + 1, 1 - slot):
+        copy.start()
+
+    own_bufs[slot] = own_bufs[slot] + in_bufs[slot]
+    store(i, slot).start()
     return carry
 
-  lax.fori_loop(0, chunks * blocks_per_chunk, body, 0)
+  lax.fori_loop(0, total, body, 0)
+  if total >= 2:
+    store(total - 2, total % 2).wait()
+  store(total - 1, (total - 1) % 2).wait()
 
 
 def _reduce_scatter_kernel(schedule, topo_args, coords_ref, x_ref, acc_ref, recv_ref, send_sems,
@@ -240,9 +266,9 @@ def reduce_scatter_call(x: jax.Array, schedule: schedule_lib.Schedule, axes: Seq
           pltpu.SemaphoreType.DMA((streams, steps)),
           pltpu.SemaphoreType.DMA((streams, steps)),
           pltpu.SemaphoreType.REGULAR((streams, phases, _RECV_SLOTS)),
-          pltpu.VMEM((block_rows, lanes), x.dtype),
-          pltpu.VMEM((block_rows, lanes), x.dtype),
-          pltpu.SemaphoreType.DMA((3,)),
+          pltpu.VMEM((2, block_rows, lanes), x.dtype),
+          pltpu.VMEM((2, block_rows, lanes), x.dtype),
+          pltpu.SemaphoreType.DMA((3, 2)),
       ])
   acc, _ = pl.pallas_call(
       kernel,
