@@ -86,11 +86,8 @@ class _Topology:
 
   def slab(self, phase: schedule_lib.Phase, step: int, *, sending: bool):
     """Grid index along ``phase.axis`` this device sends (or receives) at ``step``."""
-    n = self.torus[phase.axis]
-    shift = step + 1 if phase.kind == "reduce_scatter" else step
-    if not sending:
-      shift += 1
-    return _mod(self.coords[phase.axis] - phase.direction * shift, n)
+    slab = phase.send_slab if sending else phase.recv_slab
+    return slab(self.coords[phase.axis], step, self.torus[phase.axis])
 
   def slab_view(self, ref, transfer: schedule_lib.Transfer, index):
     """``ref``'s view of one transfer's slab as ``(chunks, R, 128)``."""
