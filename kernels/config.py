@@ -15,8 +15,8 @@ LANES = 128
 ROW_MULTIPLE = 16
 
 # Default scoped-VMEM limit per generation, in bytes (XLA's defaults). The four resident
-# blocks use at most 1/8 of it, leaving the rest to whatever XLA schedules around the collective. These are
-# sizing rules, not tuned values: nothing here has been measured on a TPU.
+# blocks use at most 1/8 of it, leaving the rest to whatever XLA schedules around the
+# collective. These are sizing rules, not tuned values: nothing was measured on a TPU.
 _SCOPED_VMEM_BYTES = {
     "TPU v4": 16 << 20,
     "TPU v5 lite": 16 << 20,
@@ -48,9 +48,9 @@ class KernelConfig:
 def default_config(rows_per_slice: int, itemsize: int, device_kind: str) -> KernelConfig:
   """A config for slices of ``rows_per_slice`` rows of ``itemsize``-byte elements.
 
-  The four resident blocks may use 1/8 of the generation's scoped VMEM. A slice takes the fewest blocks
-  that respects that cap, each as small as those blocks allow, so the padding of a slice to
-  a whole number of blocks stays under 16 rows per block.
+  The four resident blocks may use 1/8 of the generation's scoped VMEM. A slice takes the
+  fewest blocks that respect that cap, each as small as that count allows, so padding a
+  slice to a whole number of blocks adds under 16 rows per block.
   """
   vmem = _SCOPED_VMEM_BYTES.get(device_kind, _FALLBACK_SCOPED_VMEM_BYTES)
   cap = max(ROW_MULTIPLE, (vmem // 8 // (4 * LANES * itemsize)) // ROW_MULTIPLE * ROW_MULTIPLE)

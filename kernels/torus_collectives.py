@@ -129,12 +129,14 @@ class _Plan:
   def run_reduce_scatter(self, grid: jax.Array) -> jax.Array:
     """``(*torus, S, R, 128)`` -> this device's fully reduced ``(S, R, 128)`` chunk."""
     acc = torus_kernels.reduce_scatter_call(
-        ensure_varying(grid, self.axes), self.reduce_scatter, self.axes, self.mesh_axes, self.config.block_rows)
+        ensure_varying(grid, self.axes), self.reduce_scatter, self.axes, self.mesh_axes,
+        self.config.block_rows)
     return acc[self.own_index()]
 
   def run_all_gather(self, chunk: jax.Array) -> jax.Array:
     """``(S, R, 128)`` -> ``(p, S*R*128)``."""
-    out = torus_kernels.all_gather_call(ensure_varying(chunk, self.axes), self.all_gather, self.axes, self.mesh_axes)
+    out = torus_kernels.all_gather_call(
+        ensure_varying(chunk, self.axes), self.all_gather, self.axes, self.mesh_axes)
     return out.reshape(math.prod(self.torus), -1)
 
 

@@ -31,8 +31,13 @@ Under ``shard_map(check_vma=True)`` the outputs carry the input's varying axes, 
 pass inputs already varying over the torus axes.
 
 Assumptions: integer and float32 buffers only (callers accumulate bfloat16 in float32);
-``R`` is a multiple of ``block_rows``; the kernels run inside ``shard_map`` with the torus
-axes bound, and device ids are mesh coordinates over all axes of the surrounding mesh.
+``R`` is a multiple of ``block_rows``; the kernels run inside a ``shard_map`` that binds every
+axis of its mesh (device ids are mesh coordinates over all of them).
+
+Not done (yet): within one stream, a step's reduction starts only once the whole slab has
+arrived, so a stream's link idles while it reduces (the other streams' DMAs overlap it);
+splitting slabs into DMA-sized pieces would pipeline the two. Nothing here has run on a TPU:
+the kernels are verified in TPU interpret mode and compile for v4, v5e, v5p and v6e.
 """
 
 from __future__ import annotations
@@ -171,8 +176,8 @@ def _accumulate(dst, src, own_bufs, in_bufs, sems) -> None:
   store(total - 1, (total - 1) % 2).wait()
 
 
-def _reduce_scatter_kernel(schedule, topo_args, coords_ref, x_ref, acc_ref, recv_ref, send_sems,
-                           recv_sems, capacity, buf_own, buf_in, local_sems):
+def _reduce_scatter_kernel(schedule, topo_args, coords_ref, x_ref, acc_ref, recv_ref,
+                           send_sems, recv_sems, capacity, buf_own, buf_in, local_sems):
   del x_ref  # aliased with acc_ref: the reduction works in place
   topo = _Topology(*topo_args, coords_ref)
   steps = schedule.steps()
@@ -207,7 +212,8 @@ def _reduce_scatter_kernel(schedule, topo_args, coords_ref, x_ref, acc_ref, recv
         copy.wait_send()
 
 
-def _all_gather_kernel(schedule, topo_args, coords_ref, x_ref, out_ref, send_sems, recv_sems, local_sem):
+def _all_gather_kernel(schedule, topo_args, coords_ref, x_ref, out_ref, send_sems, recv_sems,
+                       local_sem):
   topo = _Topology(*topo_args, coords_ref)
   own = pltpu.make_async_copy(x_ref, out_ref.at[topo.coords], local_sem)
   own.start()
