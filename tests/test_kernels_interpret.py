@@ -86,7 +86,7 @@ CASES = [
     ("reduce_scatter", (1, 8), AXES, jnp.bfloat16, True, 300, "eager"),
     ("all_gather", (4, 2), AXES, jnp.bfloat16, False, 300, "eager"),
     ("all_gather", (1, 8), AXES, jnp.int32, True, 300, "on_wait"),
-    ("all_gather", (8, 1), AXES, jnp.float32, True, 300, "eager"),
+    ("all_gather", (8, 1), AXES, jnp.float16, True, 300, "eager"),
 ]
 
 
