@@ -37,7 +37,7 @@ from jax import lax
 import jax.numpy as jnp
 from jax._src import config as jax_config
 
-from kernels import config as config_lib
+from kernels import torus_config as config_lib
 from kernels import torus_kernels
 from torus_collectives import schedule as schedule_lib
 from torus_collectives._vma import ensure_varying

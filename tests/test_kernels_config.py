@@ -2,7 +2,7 @@
 
 import pytest
 
-from kernels import config as config_lib
+from kernels import torus_config as config_lib
 from torus_collectives import schedule
 
 

@@ -19,7 +19,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 import torus_collectives as tc
 from torus_collectives import backends
-from kernels import config as config_lib
+from kernels import torus_config as config_lib
 from kernels import torus_collectives as kernels
 
 pytestmark = pytest.mark.interpret
