@@ -21,6 +21,10 @@ dtypes: float32 and int32 reduce in their own type; bfloat16 and float16 are red
 float32 (the reduce-scatter's partial sums travel as float32) and rounded once at the end,
 and the all-gather moves the 16-bit values.
 
+Inside ``shard_map`` with ``check_vma=True`` (the default) or ``False``: the kernel outputs
+are typed varying over the torus axes, like the ``ppermute`` fallback's, and the public
+layer marks the all-reduce invariant.
+
 Platforms: on TPU v4 and newer the kernels compile with Mosaic. Elsewhere they run only in
 TPU interpret mode, when the caller traces them inside
 ``pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(...))``. TPU v2/v3 are refused:
