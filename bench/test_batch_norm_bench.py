@@ -15,7 +15,6 @@ from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
 from settings import FULL
-from torus_collectives.batch_norm import batch_norm
 
 AXES = ("x", "y")
 MESH_SHAPE = (2, 4)
@@ -29,7 +28,7 @@ VARIANTS = ("flax", "torus_collectives[xla]")
 
 
 def _ours(x, scale, bias):
-  y, _, _ = batch_norm(x, scale, bias, axis_name=AXES, epsilon=EPSILON, implementation="xla")
+  y, _, _ = tc.batch_norm(x, scale, bias, axis_name=AXES, epsilon=EPSILON, implementation="xla")
   return y
 
 
