@@ -96,14 +96,7 @@ class _Topology:
 
   def slab_view(self, ref, transfer: schedule_lib.Transfer, index):
     """``ref``'s view of one transfer's slab as ``(chunks, R, 128)``."""
-    idx = []
-    for axis, own in enumerate(self.coords):
-      if axis == transfer.phase.axis:
-        idx.append(index)
-      elif axis in transfer.live_axes:
-        idx.append(slice(None))
-      else:
-        idx.append(own)
+    idx = list(transfer.slab_index(self.coords, index))
     if all(not isinstance(i, slice) for i in idx):  # a single chunk: keep a leading dim
       idx[transfer.phase.axis] = pl.ds(index, 1)
     return ref.at[tuple(idx) + (transfer.stream,)]

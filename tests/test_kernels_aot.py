@@ -5,14 +5,10 @@ A v3 topology is only lowered (with the fallback), never compiled with Pallas: l
 the whole process when compiling a Pallas remote DMA for v2/v3.
 """
 
-import os
-
 import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("libtpu")
-# Several processes on one host may load libtpu at once (only to compile, never to run).
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 from kernels import aot_report  # noqa: E402
 
