@@ -17,6 +17,7 @@ import collections
 import json
 import pathlib
 import sys
+import textwrap
 
 import matplotlib
 
@@ -88,7 +89,7 @@ def plot_throughput(benchmarks: list[dict], path: pathlib.Path) -> bool:
   for ax, (group, variants) in zip(axes[0], sorted(groups.items())):
     names = sorted(variants)
     ax.bar(names, [variants[n][0] for n in names])
-    ax.set(title=group, ylabel=variants[names[0]][1])
+    ax.set(title="\n".join(textwrap.wrap(group, 36)), ylabel=variants[names[0]][1])
     ax.tick_params(axis="x", rotation=20)
   fig.suptitle("Measured on CPU (shared machine)")
   fig.tight_layout()

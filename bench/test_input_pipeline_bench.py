@@ -63,7 +63,7 @@ def test_decode_and_crop(benchmark, variant):
   for _ in range(2):  # warm up: trace the map function, fill caches
     next(batches)
 
-  benchmark.group = "input pipeline: JPEG decode + random crop + resize, 1 core"
+  benchmark.group = "JPEG decode + random crop + resize, 1 core"
   images = benchmark.pedantic(lambda: next(batches).numpy(), rounds=7 if FULL else 5)
 
   assert images.shape == (BATCH, IMAGE_SIZE, IMAGE_SIZE, 3)
