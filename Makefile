@@ -28,8 +28,10 @@ test: $(STAMP)
 train: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m resnet --config=resnet/configs/default.py --workdir=runs/digits
 
+# TC_BENCH_FULL=1 make bench runs the full size sweep (4 KiB to 64 MiB).
 bench: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q bench --benchmark-json=bench/results/latest.json
+	JAX_PLATFORMS=cpu $(PY) -m bench.plot bench/results/latest.json
 
 clean:
 	rm -rf $(VENV) runs

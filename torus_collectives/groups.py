@@ -30,6 +30,8 @@ from typing import Sequence
 import jax
 from jax import lax
 
+from torus_collectives.collectives import all_reduce
+
 GroupSize = int | Sequence[int] | None
 
 
@@ -111,13 +113,13 @@ def _xor_exchange_sum(x, axis: str, size: int, extent: int):
 def group_sum(x, axis_names: Sequence[str], tile: Sequence[int]):
   """Sums the pytree ``x`` over the replicas of each tile (``tile`` from ``resolve_tile``).
 
-  Whole axes go through one all-reduce; partial axes through recursive doubling.
+  Whole axes go through one torus all-reduce (``tc.all_reduce``); partial axes through recursive doubling.
   """
   axis_names = tuple(axis_names)
   sizes = tuple(lax.axis_size(a) for a in axis_names)
   whole = tuple(a for a, t, n in zip(axis_names, tile, sizes) if t == n and n > 1)
   if whole:
-    x = lax.psum(x, whole)
+    x = jax.tree.map(lambda v: all_reduce(v, whole), x)
   for axis, extent, size in zip(axis_names, tile, sizes):
     if 1 < extent < size:
       x = _xor_exchange_sum(x, axis, size, extent)

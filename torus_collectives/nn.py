@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import dtypes
 
-from torus_collectives import batch_norm as bn
+from torus_collectives.batch_norm import Implementation, batch_norm
 from torus_collectives import groups
 
 
@@ -40,7 +40,7 @@ class BatchNorm(nn.Module):
   scale_init: nn.initializers.Initializer = nn.initializers.ones
   axis_name: str | tuple[str, ...] | None = None
   group_size: groups.GroupSize = None
-  implementation: bn.Implementation = "auto"
+  implementation: Implementation = "auto"
 
   @nn.compact
   def __call__(self, x, use_running_average: bool | None = None):
@@ -67,7 +67,7 @@ class BatchNorm(nn.Module):
       y = (x - ra_mean.value) * mul + bias
     else:
       initializing = self.is_initializing()  # like flax: local statistics at init.
-      y, mean, var = bn.batch_norm(
+      y, mean, var = batch_norm(
           x.astype(jnp.promote_types(x.dtype, out_dtype)), scale, bias,
           axis_name=None if initializing else self.axis_name,
           group_size=None if initializing else self.group_size,

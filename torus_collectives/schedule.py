@@ -81,6 +81,19 @@ class Transfer:
   step: int  # step within the phase, 0 .. n - 2
   live_axes: tuple[int, ...]  # grid axes not yet reduced (slab spans all of them but phase.axis)
 
+  def slab_index(self, coords: Sequence, slab) -> tuple:
+    """Index into the chunk grid of the device at ``coords`` selecting one slab: ``slab``
+    along the phase's axis, everything along other live axes, the own index elsewhere."""
+    index = []
+    for axis, own in enumerate(coords):
+      if axis == self.phase.axis:
+        index.append(slab)
+      elif axis in self.live_axes:
+        index.append(slice(None))
+      else:
+        index.append(own)
+    return tuple(index)
+
   def slab_elements(self, torus: Sequence[int], chunk_elements: int) -> int:
     """Elements moved by one device in this transfer (chunk_elements per grid chunk)."""
     others = [torus[a] for a in self.live_axes if a != self.phase.axis]
@@ -176,19 +189,6 @@ def default_variant(torus: Sequence[int]) -> Variant:
 # Reference executor: numpy over p virtual devices.
 
 
-def _slab_index(transfer: Transfer, coords: tuple[int, ...], slab: int) -> tuple:
-  """Index into a device's (grid..., m) buffer selecting one slab of one transfer."""
-  index = []
-  for axis, own in enumerate(coords):
-    if axis == transfer.phase.axis:
-      index.append(slab)
-    elif axis in transfer.live_axes:
-      index.append(slice(None))
-    else:
-      index.append(own)
-  return tuple(index)
-
-
 def _neighbour(coords: tuple[int, ...], axis: int, direction: int, torus) -> tuple[int, ...]:
   moved = list(coords)
   moved[axis] = (moved[axis] + direction) % torus[axis]
@@ -224,7 +224,7 @@ def simulate(schedule: Schedule, buffers: np.ndarray) -> tuple[np.ndarray, dict]
       n = torus[phase.axis]
       for coords in devices:
         slab = phase.send_slab(coords[phase.axis], transfer.step, n)
-        data = state[coords][_slab_index(transfer, coords, slab)][..., lanes].copy()
+        data = state[coords][transfer.slab_index(coords, slab)][..., lanes].copy()
         dest = _neighbour(coords, phase.axis, phase.direction, torus)
         outgoing.append((transfer, dest, data, lanes))
         key = (coords, phase.axis, phase.direction)
@@ -232,12 +232,12 @@ def simulate(schedule: Schedule, buffers: np.ndarray) -> tuple[np.ndarray, dict]
     for transfer, dest, data, lanes in outgoing:  # all sends of a step happen at once
       phase = transfer.phase
       slab = phase.recv_slab(dest[phase.axis], transfer.step, torus[phase.axis])
-      view = state[dest][_slab_index(transfer, dest, slab)]
+      view = state[dest][transfer.slab_index(dest, slab)]
       if phase.kind == "reduce_scatter":
         view[..., lanes] += data
       else:
         view[..., lanes] = data
-      state[dest][_slab_index(transfer, dest, slab)] = view
+      state[dest][transfer.slab_index(dest, slab)] = view
   if schedule.streams[0][-1].kind == "reduce_scatter":  # only the own chunk is reduced
     _keep_own_chunk(state, devices)
   return state, link_bytes

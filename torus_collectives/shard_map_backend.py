@@ -42,44 +42,48 @@ def _schedule(collective: str, torus: tuple[int, ...]) -> schedule_lib.Schedule:
   return schedule_lib.build(collective, torus, schedule_lib.default_variant(torus))
 
 
-def _step(buf, transfer, axes, torus, positions, wire_dtype):
-  """One transfer of one stream on a live buffer laid out as (live axes..., width)."""
-  phase = transfer.phase
-  n = torus[phase.axis]
-  dim = transfer.live_axes.index(phase.axis)
-  pos = positions[phase.axis]
-  shift = transfer.step + 1 if phase.kind == "reduce_scatter" else transfer.step
-  send_at = (pos - phase.direction * shift) % n
-  recv_at = (pos - phase.direction * (shift + 1)) % n
-  outgoing = lax.dynamic_index_in_dim(buf, send_at, dim, keepdims=True).astype(wire_dtype)
-  incoming = lax.ppermute(outgoing, axes[phase.axis], _ring_perm(n, phase.direction))
-  incoming = incoming.astype(buf.dtype)
-  if phase.kind == "reduce_scatter":
-    incoming = incoming + lax.dynamic_index_in_dim(buf, recv_at, dim, keepdims=True)
-  return lax.dynamic_update_index_in_dim(buf, incoming, recv_at, dim)
+def _run(schedule, streams, axes, wire_dtype):
+  """Executes ``schedule`` on per-stream live buffers, all streams in lockstep.
 
-
-def _run(schedule, streams, axes, positions, wire_dtype):
-  """Executes ``schedule`` on per-stream live buffers, all streams in lockstep."""
+  During a phase, a stream's buffer is held as a list of its slabs along the phase's axis,
+  so a step touches only the slab it sends and the slab it receives (no whole-buffer
+  update); the list is split off at the phase's start and joined at its end.
+  """
   torus = schedule.torus
   per_stream = [schedule.stream_transfers(k) for k in range(schedule.num_streams)]
-  streams = list(streams)
+  buffers, slabs = list(streams), [None] * len(streams)
   for step in range(schedule.num_steps):
     for k, transfers in enumerate(per_stream):
       transfer = transfers[step]
       phase = transfer.phase
+      n = torus[phase.axis]
       dim = transfer.live_axes.index(phase.axis)
-      if phase.kind == "all_gather" and transfer.step == 0:
-        # Open the gathered axis: own slab in place, the rest filled in by the ring.
-        own = jnp.expand_dims(streams[k], dim)
-        grown = jnp.zeros(
-            own.shape[:dim] + (torus[phase.axis],) + own.shape[dim + 1:], own.dtype)
-        streams[k] = lax.dynamic_update_index_in_dim(grown, own, positions[phase.axis], dim)
-      streams[k] = _step(streams[k], transfer, axes, torus, positions, wire_dtype)
-      if phase.kind == "reduce_scatter" and transfer.step == torus[phase.axis] - 2:
-        streams[k] = lax.dynamic_index_in_dim(
-            streams[k], positions[phase.axis], dim, keepdims=False)
-  return streams
+      if transfer.step == 0:  # phase starts: own slab at frame index 0
+        if phase.kind == "reduce_scatter":
+          slabs[k] = [lax.index_in_dim(buffers[k], j, dim) for j in range(n)]
+        else:
+          slabs[k] = [jnp.expand_dims(buffers[k], dim)] + [None] * (n - 1)
+      send_at = phase.send_slab(0, transfer.step, n)
+      recv_at = phase.recv_slab(0, transfer.step, n)
+      outgoing = slabs[k][send_at].astype(wire_dtype)
+      incoming = lax.ppermute(outgoing, axes[phase.axis], _ring_perm(n, phase.direction))
+      incoming = incoming.astype(buffers[k].dtype)
+      if phase.kind == "reduce_scatter":
+        incoming = incoming + slabs[k][recv_at]
+      slabs[k][recv_at] = incoming
+      if transfer.step == n - 2:  # phase ends
+        if phase.kind == "reduce_scatter":
+          buffers[k] = jnp.squeeze(slabs[k][0], dim)
+        else:
+          buffers[k] = jnp.concatenate(slabs[k], axis=dim)
+  return buffers
+
+
+def _rotate(grid: jax.Array, positions, sign: int) -> jax.Array:
+  """Rolls every torus axis of ``grid`` by ``sign * position`` along it."""
+  for axis, pos in enumerate(positions):
+    grid = jnp.roll(grid, sign * pos, axis=axis)
+  return grid
 
 
 def _drop_trivial_axes(axes: AxisNames, torus: tuple[int, ...]):
@@ -92,7 +96,13 @@ def _execute(collective: str, x: jax.Array, axes: AxisNames, torus: tuple[int, .
              wire_dtype) -> jax.Array:
   """Runs ``collective`` on ``x``: a chunk grid ``torus + (width,)``, or ``(width,)`` for
   an all-gather. Returns the grid (all-reduce, all-gather) or the own chunk. Slabs travel
-  in ``wire_dtype`` and are summed in ``x.dtype``."""
+  in ``wire_dtype`` and are summed in ``x.dtype``.
+
+  The schedule runs in each device's own frame: the grid is rolled so that the device's
+  own chunk sits at index 0 along every axis. Every slab index is then the same static
+  number on every device, which keeps dynamic indexing (and the copies it costs) to one
+  roll per axis on the way in and one on the way out.
+  """
   axes, torus = _drop_trivial_axes(axes, torus)
   if collective != "all_gather":
     x = x.reshape(torus + x.shape[-1:])
@@ -100,9 +110,11 @@ def _execute(collective: str, x: jax.Array, axes: AxisNames, torus: tuple[int, .
     return x
   schedule = _schedule(collective, torus)
   positions = [lax.axis_index(a) for a in axes]
-  streams = jnp.split(x, schedule.num_streams, axis=-1)
-  outputs = _run(schedule, streams, axes, positions, wire_dtype)
-  return jnp.concatenate(outputs, axis=-1)
+  if collective != "all_gather":
+    x = _rotate(x, positions, -1)
+  outputs = _run(schedule, jnp.split(x, schedule.num_streams, axis=-1), axes, wire_dtype)
+  out = jnp.concatenate(outputs, axis=-1)
+  return out if collective == "reduce_scatter" else _rotate(out, positions, 1)
 
 
 def _padded_width(m: int, torus: tuple[int, ...]) -> int:

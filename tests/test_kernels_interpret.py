@@ -1,0 +1,154 @@
+"""The remote-DMA torus kernels in TPU interpret mode on 8 simulated CPU devices, against lax.
+
+Every kernel run uses the race detector (a race raises inside the interpreter, and the last
+kernel's race state is checked as well) and poisons uninitialized memory with NaN (integer
+buffers with their maximum value), so reading a buffer before a DMA has filled it shows up
+as a wrong or NaN result. Interpret mode is slow (seconds per kernel), so the matrix is a
+chosen spread over meshes, dtypes, collectives and DMA execution modes rather than their
+product; every collective runs in both ``eager`` and ``on_wait`` modes somewhere (the
+multi-block all-reduce runs eagerly on the 4x4 torus in test_kernels_interpret_4x4.py).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import AxisType, PartitionSpec as P
+
+import torus_collectives as tc
+from torus_collectives import backends
+from kernels import torus_config as config_lib
+from kernels import torus_collectives as kernels
+
+pytestmark = pytest.mark.interpret
+
+AXES = ("x", "y")
+# 16-row blocks, so a chunk of more than 16 rows per stream streams through VMEM in pieces.
+SMALL_BLOCKS = config_lib.KernelConfig(block_rows=16)
+# Per-device elements of each chunk: 2 blocks per stream slice on the 4-stream torus, minus
+# an odd amount so the padding path runs too.
+MULTI_BLOCK_CHUNK = 4 * 2 * 16 * 128 - 77
+
+
+def interpreted(mode: str, fn, *args):
+  """``fn(*args)`` traced and run in TPU interpret mode, checked for races."""
+  params = pltpu.InterpretParams(
+      dma_execution_mode=mode, detect_races=True, uninitialized_memory="nan")
+  try:
+    with pltpu.force_tpu_interpret_mode(params):
+      out = jax.block_until_ready(fn(*args))
+  except Exception:
+    pltpu.reset_tpu_interpret_mode_state()
+    raise
+  assert not interpret_pallas_call.races.races_found
+  return out
+
+
+def _mesh(shape):
+  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 2)
+
+
+def _per_device(fn, mesh, axes, *, check_vma=False):
+  """Runs ``fn`` on each device's row of an ``(8, k)`` array."""
+  return jax.jit(jax.shard_map(
+      lambda v: fn(v[0])[None], mesh=mesh, in_specs=P(AXES), out_specs=P(AXES),
+      check_vma=check_vma))
+
+
+def _inputs(dtype, shape, integers: bool):
+  rng = np.random.default_rng(0)
+  if integers:
+    return jnp.asarray(rng.integers(-8, 8, size=shape), dtype)
+  return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+LAX = {
+    "reduce_scatter": lambda axes: lambda v: lax.psum_scatter(v, axes, tiled=True),
+    "all_gather": lambda axes: lambda v: lax.all_gather(v, axes, tiled=True),
+    "all_reduce": lambda axes: lambda v: lax.psum(v, axes),
+}
+INPUT_ELEMENTS = {  # per device, for a chunk of m elements on p devices
+    "reduce_scatter": lambda p, m: p * m,
+    "all_gather": lambda p, m: m,
+    "all_reduce": lambda p, m: p * m - 5,
+}
+
+
+# (collective, mesh shape, axes, dtype, integer inputs, chunk elements, DMA mode)
+CASES = [
+    ("all_reduce", (2, 4), AXES, jnp.int32, True, MULTI_BLOCK_CHUNK, "on_wait"),
+    ("all_reduce", (2, 4), AXES, jnp.bfloat16, False, 300, "on_wait"),
+    ("all_reduce", (2, 4), ("y",), jnp.float32, True, 300, "eager"),
+    ("reduce_scatter", (4, 2), AXES, jnp.float32, False, MULTI_BLOCK_CHUNK, "on_wait"),
+    ("reduce_scatter", (1, 8), AXES, jnp.bfloat16, True, 300, "eager"),
+    ("all_gather", (4, 2), AXES, jnp.bfloat16, False, 300, "eager"),
+    ("all_gather", (1, 8), AXES, jnp.int32, True, 300, "on_wait"),
+    ("all_gather", (8, 1), AXES, jnp.float16, True, 300, "eager"),
+]
+
+
+@pytest.mark.parametrize(
+    "collective,shape,axes,dtype,integers,chunk,mode", CASES,
+    ids=[f"{c[0]}-{c[1][0]}x{c[1][1]}-{'.'.join(c[2])}-{jnp.dtype(c[3]).name}-{c[6]}"
+         for c in CASES])
+def test_kernel_matches_lax(collective, shape, axes, dtype, integers, chunk, mode):
+  mesh = _mesh(shape)
+  torus = tuple(mesh.shape[a] for a in axes)
+  p = int(np.prod(torus))
+  x = _inputs(dtype, (8, INPUT_ELEMENTS[collective](p, chunk)), integers)
+  want = _per_device(LAX[collective](axes), mesh, axes)(x)
+  ours = getattr(kernels, collective)
+  got = interpreted(
+      mode, _per_device(lambda v: ours(v, axes, torus, config=SMALL_BLOCKS), mesh, axes), x)
+  got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+  assert not np.isnan(got).any()
+  if integers or collective == "all_gather":
+    np.testing.assert_array_equal(got, want)
+  elif dtype == jnp.bfloat16:
+    # Both sum in float32 and round once, in different orders: at most a few bf16 ulps.
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=2 ** -7 * np.sqrt(p))
+  else:
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+
+
+def test_public_api_forward_and_gradient():
+  """tc.reduce_scatter(implementation="pallas") under check_vma=True, with its VJP
+  (the all-gather kernel), against lax. (Untiled calls differ only in the public layer's
+  reshapes, which its own tests cover.)"""
+  mesh = _mesh((2, 4))
+  x = _inputs(jnp.float32, (8, 8 * 24), integers=True)
+  w = _inputs(jnp.float32, (8, 24), integers=True)
+
+  def loss(impl):
+    def per_device(v, u):
+      out = tc.reduce_scatter(v[0], AXES, tiled=True, implementation=impl)
+      return jnp.sum(out * u[0])[None]
+    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P(AXES), P(AXES)),
+                            out_specs=P(AXES))
+    return jax.jit(jax.value_and_grad(lambda v, u: sharded(v, u).sum()))
+
+  want = loss("xla")(x, w)
+  got = interpreted("on_wait", loss("pallas"), x, w)
+  np.testing.assert_array_equal(got[0], want[0])
+  np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_pallas_off_tpu_without_interpret_mode_raises():
+  mesh = _mesh((2, 4))
+  f = _per_device(lambda v: tc.all_reduce(v, AXES, implementation="pallas"), mesh, AXES)
+  with pytest.raises(ValueError, match="force_tpu_interpret_mode"):
+    f(jnp.ones((8, 16), jnp.float32))
+
+
+def test_auto_is_xla_on_cpu():
+  seen = []
+
+  def record(v):
+    seen.append(backends.resolve("auto"))
+    return v
+
+  _per_device(record, _mesh((2, 4)), AXES)(jnp.ones((8, 4)))
+  assert seen == ["xla"]
