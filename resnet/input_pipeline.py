@@ -100,8 +100,8 @@ def train_dataset(split: data_sources.Split, p: Preprocessing, *, local_batch: i
                   shuffle_buffer: int = 16_384) -> tf.data.Dataset:
   """Endless training batches ``{'image', 'label', 'skipped'}`` for this process.
 
-  ``skipped`` counts the corrupt images dropped since ``start_step`` (same value across a
-  batch's rows is not guaranteed; take the max).
+  ``skipped`` (per row) counts the corrupt images dropped before that row since
+  ``start_step``; a batch's maximum is the running total.
   """
   ds = split.dataset
   if cache:
