@@ -12,6 +12,7 @@ a stop with the last good checkpoint kept when the loss or gradient turns non-fi
 periodic top-1/top-5 evaluation, TensorBoard scalars, a progress bar, and a PNG plot.
 """
 
+from collections.abc import Callable
 import functools
 import itertools
 import math
@@ -67,7 +68,7 @@ def _cross_entropy(logits, labels, num_classes: int, label_smoothing: float):
 
 
 def _train_step(state: TrainState, batch, *, model, tx, schedule, axes, num_classes,
-                label_smoothing, grad_implementation):
+                label_smoothing, average_gradients):
   """Per-device body of one training step (inside shard_map)."""
   def loss_fn(params):
     logits, updates = model.apply(
@@ -78,7 +79,7 @@ def _train_step(state: TrainState, batch, *, model, tx, schedule, axes, num_clas
 
   (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
       state.params)
-  grads = tc.all_reduce_gradients(grads, axes, implementation=grad_implementation)
+  grads = average_gradients(grads, axes)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   new_state = TrainState(step=state.step + 1,
                          params=optax.apply_updates(state.params, updates),
@@ -90,6 +91,24 @@ def _train_step(state: TrainState, batch, *, model, tx, schedule, axes, num_clas
       'learning_rate': schedule(state.step),
   }
   return new_state, metrics
+
+
+def make_train_step(model, tx, schedule, mesh: jax.sharding.Mesh, *, num_classes: int,
+                    label_smoothing: float,
+                    average_gradients: Callable[[Any, tuple[str, ...]], Any]) -> Callable:
+  """One data-parallel step ``(state, batch) -> (state, metrics)`` over every mesh axis.
+
+  The state is replicated and the batch split over all devices. ``average_gradients(grads,
+  axes)`` averages the per-device gradients over the mesh (``tc.all_reduce_gradients`` in
+  training; a benchmark may pass ``lax.pmean``). The result is not jitted, so the caller
+  chooses whether to donate the state.
+  """
+  body = functools.partial(_train_step, model=model, tx=tx, schedule=schedule,
+                           axes=mesh.axis_names, num_classes=num_classes,
+                           label_smoothing=label_smoothing,
+                           average_gradients=average_gradients)
+  return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(mesh.axis_names)),
+                       out_specs=(P(), P()))
 
 
 def _eval_step(state: TrainState, batch, *, model, axes):
@@ -169,12 +188,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                       batch_stats=variables['batch_stats'],
                       opt_state=tx.init(variables['params']))
 
-  train_step = jax.jit(jax.shard_map(
-      functools.partial(_train_step, model=model, tx=tx, schedule=schedule, axes=axes,
-                        num_classes=train_split.num_classes,
-                        label_smoothing=config.label_smoothing,
-                        grad_implementation=config.grad_implementation),
-      mesh=mesh, in_specs=(P(), P(axes)), out_specs=(P(), P())), donate_argnums=0)
+  train_step = jax.jit(make_train_step(
+      model, tx, schedule, mesh, num_classes=train_split.num_classes,
+      label_smoothing=config.label_smoothing,
+      average_gradients=functools.partial(tc.all_reduce_gradients,
+                                          implementation=config.grad_implementation)),
+      donate_argnums=0)
   eval_step = jax.jit(jax.shard_map(
       functools.partial(_eval_step, model=model, axes=axes),
       mesh=mesh, in_specs=(P(), P(axes)), out_specs=P()))
