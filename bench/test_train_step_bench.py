@@ -18,12 +18,9 @@ is therefore pipeline time per batch over step time per batch: below 1, it keeps
 is timed alone; in training it shares the cores with the step.
 """
 
-import types
-
 import jax
 import jax.numpy as jnp
 import pytest
-from flax import linen as nn
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -49,18 +46,12 @@ GROUP = (f"{CONFIG.model} train step, {CONFIG.image_size}x{CONFIG.image_size} "
          f"{MESH_SHAPE[0]}x{MESH_SHAPE[1]} mesh")
 
 
-def _flax_batch_norm(*, group_size, **kwargs) -> nn.BatchNorm:
-  """flax's BatchNorm in the model's place; it always averages over every replica."""
-  if group_size not in (None, NUM_REPLICAS):
-    raise ValueError(f"{group_size=}: the flax baseline only spans all {NUM_REPLICAS} replicas")
-  return nn.BatchNorm(**kwargs)
-
-
-def _step_and_state(mesh, average_gradients):
+def _step_and_state(mesh, batch_norm, average_gradients):
   """The jitted (not donating) training step and a replicated initial state."""
   model = models.create_model(
       CONFIG.model, num_classes=NUM_CLASSES, dtype=jnp.dtype(CONFIG.dtype),
-      axis_name=mesh.axis_names, bn_group_size=NUM_REPLICAS, bn_momentum=CONFIG.bn_momentum)
+      axis_name=mesh.axis_names, bn_group_size=NUM_REPLICAS, bn_momentum=CONFIG.bn_momentum,
+      batch_norm=batch_norm)
   schedule = optim.learning_rate_schedule(
       base_learning_rate=CONFIG.base_learning_rate, global_batch=CONFIG.global_batch_size,
       warmup_steps=10, total_steps=100, end_learning_rate=CONFIG.end_learning_rate,
@@ -84,15 +75,14 @@ def _step_and_state(mesh, average_gradients):
 
 
 @pytest.mark.parametrize("variant", ("flax", "torus_collectives"))
-def test_train_step(benchmark, steady, monkeypatch, variant):
+def test_train_step(benchmark, steady, variant):
   mesh = tc.make_torus_mesh(MESH_SHAPE)
   if variant == "flax":
-    monkeypatch.setattr(models, "tc_nn", types.SimpleNamespace(BatchNorm=_flax_batch_norm))
     average_gradients = lax.pmean
   else:
     average_gradients = lambda grads, axes: tc.all_reduce_gradients(
         grads, axes, implementation=CONFIG.grad_implementation)
-  step, state = _step_and_state(mesh, average_gradients)
+  step, state = _step_and_state(mesh, variant, average_gradients)
   key_image, key_label = jax.random.split(jax.random.key(1))
   shape = (CONFIG.global_batch_size, CONFIG.image_size, CONFIG.image_size, 3)
   batch = jax.device_put(
