@@ -59,43 +59,31 @@ def _implementation(implementation: str, dtype) -> str:
 
 def _dimension(value: int, ndim: int, name: str) -> int:
   if not -ndim <= value < ndim:
-    raise ValueError(f"{name}={value} is out of range for an array of rank {ndim - 0}")
+    raise ValueError(f"{name}={value} is out of range for {ndim} dimensions")
   return value % ndim
 
 
 # Flat, differentiable collectives: the backend does the work, the VJP pairs them up.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _flat_reduce_scatter(x, impl, axes, torus):
-  return backends.get(impl).reduce_scatter(x, axes, torus)
+def _linear_collective(name: str):
+  """The backend's ``name`` collective, differentiable through a custom VJP (set below)."""
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+  def op(x, impl, axes, torus):
+    return getattr(backends.get(impl), name)(x, axes, torus)
+
+  return op
 
 
-def _flat_reduce_scatter_fwd(x, impl, axes, torus):
-  return _flat_reduce_scatter(x, impl, axes, torus), None
-
-
-def _flat_reduce_scatter_bwd(impl, axes, torus, _, ct):
-  return (_flat_all_gather(ct, impl, axes, torus),)
-
-
-_flat_reduce_scatter.defvjp(_flat_reduce_scatter_fwd, _flat_reduce_scatter_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _flat_all_gather(x, impl, axes, torus):
-  return backends.get(impl).all_gather(x, axes, torus)
-
-
-def _flat_all_gather_fwd(x, impl, axes, torus):
-  return _flat_all_gather(x, impl, axes, torus), None
-
-
-def _flat_all_gather_bwd(impl, axes, torus, _, ct):
-  return (_flat_reduce_scatter(ct, impl, axes, torus),)
-
-
-_flat_all_gather.defvjp(_flat_all_gather_fwd, _flat_all_gather_bwd)
+_flat_reduce_scatter = _linear_collective("reduce_scatter")
+_flat_all_gather = _linear_collective("all_gather")
+# Each is the other's transpose.
+for _op, _transpose in ((_flat_reduce_scatter, _flat_all_gather),
+                        (_flat_all_gather, _flat_reduce_scatter)):
+  _op.defvjp(lambda x, impl, axes, torus, op=_op: (op(x, impl, axes, torus), None),
+             lambda impl, axes, torus, _, ct, t=_transpose: (t(ct, impl, axes, torus),))
+del _op, _transpose
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
