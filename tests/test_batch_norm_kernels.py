@@ -1,6 +1,5 @@
 """Pallas batch-norm passes: TPU interpret mode vs the jnp reference, and AOT compiles."""
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import jax
 from jax._src import config as _config
-from jax._src import core as _core
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
@@ -55,4 +54,3 @@ def mark_invariant(x: jax.Array, axes: AxisNames) -> jax.Array:
 
 
 __all__ = ["ensure_varying", "mark_invariant", "vma_checked"]
-del _core
