@@ -3,7 +3,8 @@
 * ``"xla"``: ``jax.lax`` itself, the reference.
 * ``"shard_map"``: the torus schedule executed with ``lax.ppermute`` (runs anywhere).
 * ``"pallas"``: remote-DMA Pallas TPU kernels that execute the same schedule.
-* ``"auto"``: the fastest correct one for the platform, chosen on measured evidence.
+* ``"auto"``: XLA off TPU, where it was measured fastest; the Pallas kernels on TPU v4 and
+  newer and the shard_map schedule on v2/v3 (these TPU choices are not yet measured).
 
 On CPU the benchmarks in ``bench/`` show XLA's in-process collectives ahead of any ppermute
 schedule (a ring step is a rendezvous of all device threads), so "auto" is "xla" there. On
