@@ -12,7 +12,7 @@ FIND_PYTHON := for p in $(PYTHON_CANDIDATES); do \
   if $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then command -v $$p; exit 0; fi; \
 done; exit 1
 
-.PHONY: test train bench clean
+.PHONY: test lint format train bench clean
 
 $(STAMP): pyproject.toml
 	@base=$$($(FIND_PYTHON)) || { echo "Need Python >= 3.12 (jax 0.12 requires it): install python3.12 or put it on PATH." >&2; exit 1; }; \
@@ -22,8 +22,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) lint
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q tests
+
+# The formatter and linter (configured in pyproject.toml); `make format` applies them.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 train: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m resnet --config=resnet/configs/default.py --workdir=runs/digits
