@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
 import jax  # noqa: E402
@@ -30,7 +30,8 @@ WARMUP_CALLS = 3
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
   assert jax.device_count() == NUM_DEVICES, (
-      "benchmarks need 8 simulated CPU devices; import jax only after bench/conftest.py")
+    "benchmarks need 8 simulated CPU devices; import jax only after bench/conftest.py"
+  )
 
 
 @pytest.fixture
@@ -69,4 +70,5 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
     baseline = b["extra_info"]["baseline"]
     if (b["group"], baseline) in medians:
       b["extra_info"][f"time_ratio_to_{baseline}"] = (
-          b["stats"]["median"] / medians[b["group"], baseline])
+        b["stats"]["median"] / medians[b["group"], baseline]
+      )

@@ -50,12 +50,23 @@ def _series(entries: list[dict], key: str) -> dict:
   return out
 
 
-def plot_collectives(entries: list[dict], key: str, ylabel: str, path: pathlib.Path,
-                     reference_line: float | None = None, logy: bool = False) -> None:
+def plot_collectives(
+  entries: list[dict],
+  key: str,
+  ylabel: str,
+  path: pathlib.Path,
+  reference_line: float | None = None,
+  logy: bool = False,
+) -> None:
   series = _series(entries, key)
   meshes = sorted({mesh for _, mesh in series})
-  fig, axes = plt.subplots(len(COLLECTIVES), len(meshes), squeeze=False,
-                           figsize=(5 * len(meshes), 3.2 * len(COLLECTIVES)), sharex=True)
+  fig, axes = plt.subplots(
+    len(COLLECTIVES),
+    len(meshes),
+    squeeze=False,
+    figsize=(5 * len(meshes), 3.2 * len(COLLECTIVES)),
+    sharex=True,
+  )
   for row, collective in enumerate(COLLECTIVES):
     for col, mesh in enumerate(meshes):
       ax = axes[row][col]
@@ -64,8 +75,12 @@ def plot_collectives(entries: list[dict], key: str, ylabel: str, path: pathlib.P
         ax.plot(sizes, values, marker="o", label=implementation)
       if reference_line is not None:
         ax.axhline(reference_line, color="k", lw=0.8, ls="--")
-      ax.set(xscale="log", yscale="log" if logy else "linear",
-             title=f"{collective}, {mesh} mesh", ylabel=ylabel)
+      ax.set(
+        xscale="log",
+        yscale="log" if logy else "linear",
+        title=f"{collective}, {mesh} mesh",
+        ylabel=ylabel,
+      )
       ax.grid(True, which="both", alpha=0.3)
       if row == len(COLLECTIVES) - 1:
         ax.set_xlabel("size S (bytes, full buffer)")
@@ -102,40 +117,51 @@ def markdown(data: dict) -> str:
   """The collective table (busbw and time ratio per implementation) and other groups."""
   machine = data.get("machine_info", {})
   cpu = machine.get("cpu", {}).get("brand_raw", "unknown CPU")
-  lines = [f"Run {data.get('datetime', '?')} on {cpu}, {machine.get('cpu', {}).get('count', '?')}"
-           " cores, 8 simulated CPU devices; timings on a shared machine are noisy.", ""]
+  lines = [
+    f"Run {data.get('datetime', '?')} on {cpu}, {machine.get('cpu', {}).get('count', '?')}"
+    " cores, 8 simulated CPU devices; timings on a shared machine are noisy.",
+    "",
+  ]
   entries = _collective_entries(data["benchmarks"])
-  impls = sorted({b["extra_info"]["variant"] for b in entries},
-                 key=lambda name: (name != "xla", name))
+  impls = sorted(
+    {b["extra_info"]["variant"] for b in entries}, key=lambda name: (name != "xla", name)
+  )
   if entries:
-    lines += ["| collective | mesh | size | " + " | ".join(
-        f"{i} busbw GB/s | {i} t/t_xla" for i in impls) + " |",
-              "|---" * (3 + 2 * len(impls)) + "|"]
+    lines += [
+      "| collective | mesh | size | "
+      + " | ".join(f"{i} busbw GB/s | {i} t/t_xla" for i in impls)
+      + " |",
+      "|---" * (3 + 2 * len(impls)) + "|",
+    ]
     rows = collections.defaultdict(dict)
     for b in entries:
       info = b["extra_info"]
       rows[info["collective"], info["mesh"], info["nbytes"]][info["variant"]] = info
     for (collective, mesh, nbytes), by_impl in sorted(
-        rows.items(), key=lambda kv: (COLLECTIVES.index(kv[0][0]), kv[0][1], kv[0][2])):
+      rows.items(), key=lambda kv: (COLLECTIVES.index(kv[0][0]), kv[0][1], kv[0][2])
+    ):
       cells = []
       for i in impls:
         info = by_impl.get(i, {})
         cells.append(f"{info['busbw_GBps']:.2f}" if "busbw_GBps" in info else "-")
         ratio = info.get("time_ratio_to_xla")
         cells.append(f"{ratio:.2f}" if ratio is not None else "-")
-      lines.append(f"| {collective} | {mesh} | {_size_label(nbytes)} | " + " | ".join(cells)
-                   + " |")
+      lines.append(f"| {collective} | {mesh} | {_size_label(nbytes)} | " + " | ".join(cells) + " |")
   others = [b for b in data["benchmarks"] if "items_per_s" in b["extra_info"]]
   if others:
-    lines += ["", "| group | variant | median ms | throughput | baseline | t/t_baseline |",
-              "|---" * 6 + "|"]
+    lines += [
+      "",
+      "| group | variant | median ms | throughput | baseline | t/t_baseline |",
+      "|---" * 6 + "|",
+    ]
     for b in sorted(others, key=lambda b: (b["group"], b["extra_info"]["variant"])):
       info = b["extra_info"]
       ratio = next((v for k, v in info.items() if k.startswith("time_ratio_to_")), None)
       lines.append(
-          f"| {b['group']} | {info['variant']} | {b['stats']['median'] * 1e3:.2f} | "
-          f"{info['items_per_s']:.1f} {info.get('unit', 'items/s')} | "
-          f"{info.get('baseline', '-')} | {'-' if ratio is None else f'{ratio:.2f}'} |")
+        f"| {b['group']} | {info['variant']} | {b['stats']['median'] * 1e3:.2f} | "
+        f"{info['items_per_s']:.1f} {info.get('unit', 'items/s')} | "
+        f"{info.get('baseline', '-')} | {'-' if ratio is None else f'{ratio:.2f}'} |"
+      )
   return "\n".join(lines) + "\n"
 
 
@@ -145,10 +171,17 @@ def main(argv: list[str]) -> None:
   data = json.loads(source.read_text())
   entries = _collective_entries(data["benchmarks"])
   if entries:
-    plot_collectives(entries, "busbw_GBps", "busbw (GB/s)", out / "collectives_busbw.png",
-                     logy=True)
-    plot_collectives(entries, "time_ratio_to_xla", "time / time(xla)",
-                     out / "collectives_ratio.png", reference_line=1.0, logy=True)
+    plot_collectives(
+      entries, "busbw_GBps", "busbw (GB/s)", out / "collectives_busbw.png", logy=True
+    )
+    plot_collectives(
+      entries,
+      "time_ratio_to_xla",
+      "time / time(xla)",
+      out / "collectives_ratio.png",
+      reference_line=1.0,
+      logy=True,
+    )
   plot_throughput(data["benchmarks"], out / "throughput.png")
   cost_model.plot_time_vs_p(str(out / "cost_model_time_vs_p.png"))
   (out / "latest.md").write_text(markdown(data))

@@ -12,17 +12,21 @@ import pytest
 from flax import linen as nn
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from settings import FULL
 
 import torus_collectives as tc
-from settings import FULL
 
 AXES = ("x", "y")
 MESH_SHAPE = (2, 4)
 PER_REPLICA_BATCH = 2
 EPSILON = 1e-5
 # ResNet-50 stage outputs (H, W, C) at 224x224 input.
-LAYERS = {"res2": (56, 56, 256), "res3": (28, 28, 512), "res4": (14, 14, 1024),
-          "res5": (7, 7, 2048)}
+LAYERS = {
+  "res2": (56, 56, 256),
+  "res3": (28, 28, 512),
+  "res4": (14, 14, 1024),
+  "res5": (7, 7, 2048),
+}
 SHAPES = tuple(LAYERS) if FULL else ("res3", "res5")
 VARIANTS = ("flax", "torus_collectives[xla]")
 
@@ -35,8 +39,9 @@ def _ours(x, scale, bias):
 def _flax(x, scale, bias):
   module = nn.BatchNorm(use_running_average=False, axis_name=AXES, epsilon=EPSILON)
   stats = {"mean": jnp.zeros_like(scale), "var": jnp.ones_like(scale)}
-  y, _ = module.apply({"params": {"scale": scale, "bias": bias}, "batch_stats": stats}, x,
-                      mutable=["batch_stats"])
+  y, _ = module.apply(
+    {"params": {"scale": scale, "bias": bias}, "batch_stats": stats}, x, mutable=["batch_stats"]
+  )
   return y
 
 
@@ -46,6 +51,7 @@ def _fwd_bwd(norm):
     dx, dscale, dbias = vjp(cotangent)
     # Parameter gradients are per-replica partial sums; the optimizer would sum them.
     return y, dx, dscale[None], dbias[None]
+
   return step
 
 
@@ -61,13 +67,22 @@ def test_batch_norm_fwd_bwd(benchmark, steady, layer, variant):
   cotangent = jax.device_put(jax.random.normal(key_g, (batch, h, w, c)), data)
   scale, bias = jnp.full((c,), 1.5), jnp.full((c,), 0.25)
   norm = {"torus_collectives[xla]": _ours, "flax": _flax}[variant]
-  fn = jax.jit(jax.shard_map(_fwd_bwd(norm), mesh=mesh,
-                             in_specs=(P(AXES), P(), P(), P(AXES)),
-                             out_specs=(P(AXES), P(AXES), P(AXES), P(AXES))))
+  fn = jax.jit(
+    jax.shard_map(
+      _fwd_bwd(norm),
+      mesh=mesh,
+      in_specs=(P(AXES), P(), P(), P(AXES)),
+      out_specs=(P(AXES), P(AXES), P(AXES), P(AXES)),
+    )
+  )
 
   benchmark.group = f"batch_norm fwd+bwd {layer} {batch}x{h}x{w}x{c}"
   steady(fn, x, scale, bias, cotangent)
 
-  benchmark.extra_info.update(variant=variant, baseline="flax", layer=layer,
-                              items_per_s=batch / benchmark.stats.stats.median,
-                              unit="images/s")
+  benchmark.extra_info.update(
+    variant=variant,
+    baseline="flax",
+    layer=layer,
+    items_per_s=batch / benchmark.stats.stats.median,
+    unit="images/s",
+  )

@@ -17,16 +17,19 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from settings import FULL
 
 import torus_collectives as tc
-from settings import FULL
 
 IMPLEMENTATIONS = ("xla", "shard_map", "auto")  # those that run on CPU; "xla" first
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 MESHES = ((2, 4), (1, 8))
 KiB, MiB = 2**10, 2**20
-SIZES = ((4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB)
-         if FULL else (64 * KiB, 4 * MiB))
+SIZES = (
+  (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB)
+  if FULL
+  else (64 * KiB, 4 * MiB)
+)
 AXES = ("x", "y")
 DTYPE = jnp.float32
 
@@ -49,8 +52,8 @@ def bus_factor(collective: str, n: int) -> float:
 
 
 CASES = [
-    pytest.param(c, m, s, i, id=f"{c}-{m[0]}x{m[1]}-{_label(s)}-{i}")
-    for c, m, s, i in itertools.product(COLLECTIVES, MESHES, SIZES, IMPLEMENTATIONS)
+  pytest.param(c, m, s, i, id=f"{c}-{m[0]}x{m[1]}-{_label(s)}-{i}")
+  for c, m, s, i in itertools.product(COLLECTIVES, MESHES, SIZES, IMPLEMENTATIONS)
 ]
 
 
@@ -61,19 +64,31 @@ def test_collective(benchmark, steady, collective, mesh_shape, nbytes, implement
   elements = nbytes // jnp.dtype(DTYPE).itemsize  # S, in elements
   per_device = elements // n if collective == "all_gather" else elements
   spec = P(AXES)
-  fn = jax.jit(jax.shard_map(_per_device_op(collective, implementation), mesh=mesh,
-                             in_specs=spec, out_specs=spec))
-  x = jax.jit(lambda: jnp.arange(n * per_device, dtype=DTYPE) % 7,
-              out_shardings=NamedSharding(mesh, spec))()
+  fn = jax.jit(
+    jax.shard_map(
+      _per_device_op(collective, implementation), mesh=mesh, in_specs=spec, out_specs=spec
+    )
+  )
+  x = jax.jit(
+    lambda: jnp.arange(n * per_device, dtype=DTYPE) % 7, out_shardings=NamedSharding(mesh, spec)
+  )()
 
   benchmark.group = f"{collective} {mesh_shape[0]}x{mesh_shape[1]} {_label(nbytes)}"
   out = steady(fn, x)
 
-  expected = {"all_reduce": elements, "reduce_scatter": elements // n,
-              "all_gather": elements}[collective]
+  expected = {"all_reduce": elements, "reduce_scatter": elements // n, "all_gather": elements}[
+    collective
+  ]
   assert out.shape == (n * expected,)
   algbw = nbytes / benchmark.stats.stats.median
   benchmark.extra_info.update(
-      collective=collective, mesh=f"{mesh_shape[0]}x{mesh_shape[1]}", devices=n,
-      nbytes=nbytes, dtype=jnp.dtype(DTYPE).name, variant=implementation, baseline="xla",
-      algbw_GBps=algbw / 1e9, busbw_GBps=algbw * bus_factor(collective, n) / 1e9)
+    collective=collective,
+    mesh=f"{mesh_shape[0]}x{mesh_shape[1]}",
+    devices=n,
+    nbytes=nbytes,
+    dtype=jnp.dtype(DTYPE).name,
+    variant=implementation,
+    baseline="xla",
+    algbw_GBps=algbw / 1e9,
+    busbw_GBps=algbw * bus_factor(collective, n) / 1e9,
+  )

@@ -13,9 +13,8 @@ import pathlib
 
 import pytest
 import tensorflow as tf
-from sklearn import datasets
-
 from settings import FULL
+from sklearn import datasets
 
 IMAGE_SIZE = 224
 BATCH = 64 if FULL else 16  # images per timed round
@@ -28,9 +27,15 @@ def _photos() -> list[bytes]:
 
 def _crop_window(jpeg: tf.Tensor, seed: tf.Tensor):
   begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
-      tf.image.extract_jpeg_shape(jpeg), tf.zeros([0, 0, 4]), seed=seed,
-      min_object_covered=0.1, aspect_ratio_range=(3 / 4, 4 / 3), area_range=(0.08, 1.0),
-      max_attempts=10, use_image_if_no_bounding_boxes=True)
+    tf.image.extract_jpeg_shape(jpeg),
+    tf.zeros([0, 0, 4]),
+    seed=seed,
+    min_object_covered=0.1,
+    aspect_ratio_range=(3 / 4, 4 / 3),
+    area_range=(0.08, 1.0),
+    max_attempts=10,
+    use_image_if_no_bounding_boxes=True,
+  )
   return begin, size
 
 
@@ -43,6 +48,7 @@ def _decode(variant: str):
     else:
       image = tf.slice(tf.io.decode_jpeg(jpeg, channels=3), begin, size)
     return tf.image.resize(image, (IMAGE_SIZE, IMAGE_SIZE))
+
   return fn
 
 
@@ -67,6 +73,9 @@ def test_decode_and_crop(benchmark, variant):
   images = benchmark.pedantic(lambda: next(batches).numpy(), rounds=7 if FULL else 5)
 
   assert images.shape == (BATCH, IMAGE_SIZE, IMAGE_SIZE, 3)
-  benchmark.extra_info.update(variant=variant, baseline="decode_then_crop",
-                              items_per_s=BATCH / benchmark.stats.stats.median,
-                              unit="images/s/core")
+  benchmark.extra_info.update(
+    variant=variant,
+    baseline="decode_then_crop",
+    items_per_s=BATCH / benchmark.stats.stats.median,
+    unit="images/s/core",
+  )

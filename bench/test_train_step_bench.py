@@ -24,15 +24,11 @@ import pytest
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from settings import FULL
 
 import torus_collectives as tc
-from resnet import data_sources
-from resnet import input_pipeline
-from resnet import models
-from resnet import optim
-from resnet import train
+from resnet import data_sources, input_pipeline, models, optim, train
 from resnet.configs import default
-from settings import FULL
 
 CONFIG = default.get_config()
 # ResNet-50 (what ``make train`` trains) takes minutes to compile on two shared cores, so
@@ -41,36 +37,63 @@ CONFIG.model = "resnet50" if FULL else "resnet18"
 MESH_SHAPE = tuple(CONFIG.mesh_shape)
 NUM_REPLICAS = MESH_SHAPE[0] * MESH_SHAPE[1]
 NUM_CLASSES = 10
-GROUP = (f"{CONFIG.model} train step, {CONFIG.image_size}x{CONFIG.image_size} "
-         f"{CONFIG.dtype}, global batch {CONFIG.global_batch_size}, "
-         f"{MESH_SHAPE[0]}x{MESH_SHAPE[1]} mesh")
+GROUP = (
+  f"{CONFIG.model} train step, {CONFIG.image_size}x{CONFIG.image_size} "
+  f"{CONFIG.dtype}, global batch {CONFIG.global_batch_size}, "
+  f"{MESH_SHAPE[0]}x{MESH_SHAPE[1]} mesh"
+)
 
 
 def _step_and_state(mesh, batch_norm, average_gradients):
   """The jitted (not donating) training step and a replicated initial state."""
   model = models.create_model(
-      CONFIG.model, num_classes=NUM_CLASSES, dtype=jnp.dtype(CONFIG.dtype),
-      axis_name=mesh.axis_names, bn_group_size=NUM_REPLICAS, bn_momentum=CONFIG.bn_momentum,
-      batch_norm=batch_norm)
+    CONFIG.model,
+    num_classes=NUM_CLASSES,
+    dtype=jnp.dtype(CONFIG.dtype),
+    axis_name=mesh.axis_names,
+    bn_group_size=NUM_REPLICAS,
+    bn_momentum=CONFIG.bn_momentum,
+    batch_norm=batch_norm,
+  )
   schedule = optim.learning_rate_schedule(
-      base_learning_rate=CONFIG.base_learning_rate, global_batch=CONFIG.global_batch_size,
-      warmup_steps=10, total_steps=100, end_learning_rate=CONFIG.end_learning_rate,
-      power=CONFIG.lr_decay_power)
-  tx = optim.lars(schedule, weight_decay=CONFIG.weight_decay, momentum=CONFIG.momentum,
-                  trust_coefficient=CONFIG.lars_trust_coefficient, eps=CONFIG.lars_eps)
+    base_learning_rate=CONFIG.base_learning_rate,
+    global_batch=CONFIG.global_batch_size,
+    warmup_steps=10,
+    total_steps=100,
+    end_learning_rate=CONFIG.end_learning_rate,
+    power=CONFIG.lr_decay_power,
+  )
+  tx = optim.lars(
+    schedule,
+    weight_decay=CONFIG.weight_decay,
+    momentum=CONFIG.momentum,
+    trust_coefficient=CONFIG.lars_trust_coefficient,
+    eps=CONFIG.lars_eps,
+  )
 
   @jax.jit
   def init(key):
     image = jnp.zeros((1, CONFIG.image_size, CONFIG.image_size, 3), model.dtype)
     variables = model.init(key, image, train=False)
-    return train.TrainState(step=jnp.zeros((), jnp.int32), params=variables["params"],
-                            batch_stats=variables["batch_stats"],
-                            opt_state=tx.init(variables["params"]))
+    return train.TrainState(
+      step=jnp.zeros((), jnp.int32),
+      params=variables["params"],
+      batch_stats=variables["batch_stats"],
+      opt_state=tx.init(variables["params"]),
+    )
 
   state = jax.device_put(init(jax.random.key(0, impl="rbg")), NamedSharding(mesh, P()))
-  step = jax.jit(train.make_train_step(
-      model, tx, schedule, mesh, num_classes=NUM_CLASSES,
-      label_smoothing=CONFIG.label_smoothing, average_gradients=average_gradients))
+  step = jax.jit(
+    train.make_train_step(
+      model,
+      tx,
+      schedule,
+      mesh,
+      num_classes=NUM_CLASSES,
+      label_smoothing=CONFIG.label_smoothing,
+      average_gradients=average_gradients,
+    )
+  )
   return step, state
 
 
@@ -81,48 +104,81 @@ def test_train_step(benchmark, steady, variant):
     average_gradients = lax.pmean
   else:
     average_gradients = lambda grads, axes: tc.all_reduce_gradients(
-        grads, axes, implementation=CONFIG.grad_implementation)
+      grads, axes, implementation=CONFIG.grad_implementation
+    )
   step, state = _step_and_state(mesh, variant, average_gradients)
   key_image, key_label = jax.random.split(jax.random.key(1))
   shape = (CONFIG.global_batch_size, CONFIG.image_size, CONFIG.image_size, 3)
   batch = jax.device_put(
-      {"image": jax.random.normal(key_image, shape),
-       "label": jax.random.randint(key_label, shape[:1], 0, NUM_CLASSES)},
-      NamedSharding(mesh, P(mesh.axis_names)))
+    {
+      "image": jax.random.normal(key_image, shape),
+      "label": jax.random.randint(key_label, shape[:1], 0, NUM_CLASSES),
+    },
+    NamedSharding(mesh, P(mesh.axis_names)),
+  )
 
   benchmark.group = GROUP
   _, metrics = steady(step, state, batch)
 
   assert jnp.isfinite(metrics["train_loss"])
   benchmark.extra_info.update(
-      variant=variant, baseline="flax", model=CONFIG.model, image_size=CONFIG.image_size,
-      global_batch=CONFIG.global_batch_size, bn_group_size=NUM_REPLICAS,
-      grad_implementation=CONFIG.grad_implementation if variant != "flax" else "lax.pmean",
-      items_per_s=CONFIG.global_batch_size / benchmark.stats.stats.median, unit="images/s")
+    variant=variant,
+    baseline="flax",
+    model=CONFIG.model,
+    image_size=CONFIG.image_size,
+    global_batch=CONFIG.global_batch_size,
+    bn_group_size=NUM_REPLICAS,
+    grad_implementation=CONFIG.grad_implementation if variant != "flax" else "lax.pmean",
+    items_per_s=CONFIG.global_batch_size / benchmark.stats.stats.median,
+    unit="images/s",
+  )
 
 
 def test_input_pipeline(benchmark, steady, tmp_path_factory):
   mesh = tc.make_torus_mesh(MESH_SHAPE)
   split = data_sources.get_split(
-      CONFIG.dataset, tmp_path_factory.mktemp("data"), CONFIG.train_split,
-      process_index=0, process_count=1, block=CONFIG.global_batch_size)
+    CONFIG.dataset,
+    tmp_path_factory.mktemp("data"),
+    CONFIG.train_split,
+    process_index=0,
+    process_count=1,
+    block=CONFIG.global_batch_size,
+  )
   preprocessing = input_pipeline.Preprocessing(
-      image_size=CONFIG.image_size, crop_area_range=tuple(CONFIG.crop_area_range),
-      random_flip=CONFIG.random_flip, eval_crop_fraction=CONFIG.eval_crop_fraction)
+    image_size=CONFIG.image_size,
+    crop_area_range=tuple(CONFIG.crop_area_range),
+    random_flip=CONFIG.random_flip,
+    eval_crop_fraction=CONFIG.eval_crop_fraction,
+  )
   batches = input_pipeline.device_prefetch(
-      input_pipeline.train_dataset(
-          split, preprocessing, local_batch=CONFIG.global_batch_size, seed=CONFIG.seed,
-          cache=CONFIG.cache, shuffle_buffer=CONFIG.shuffle_buffer).as_numpy_iterator(),
-      NamedSharding(mesh, P(mesh.axis_names)), size=CONFIG.prefetch_to_device)
+    input_pipeline.train_dataset(
+      split,
+      preprocessing,
+      local_batch=CONFIG.global_batch_size,
+      seed=CONFIG.seed,
+      cache=CONFIG.cache,
+      shuffle_buffer=CONFIG.shuffle_buffer,
+    ).as_numpy_iterator(),
+    NamedSharding(mesh, P(mesh.axis_names)),
+    size=CONFIG.prefetch_to_device,
+  )
   for _ in range(split.num_examples // CONFIG.global_batch_size + 1):  # fill the cache
     next(batches)
 
   benchmark.group = GROUP
   on_device = steady(lambda: next(batches)[0])
 
-  assert on_device["image"].shape == (CONFIG.global_batch_size, CONFIG.image_size,
-                                      CONFIG.image_size, 3)
+  assert on_device["image"].shape == (
+    CONFIG.global_batch_size,
+    CONFIG.image_size,
+    CONFIG.image_size,
+    3,
+  )
   benchmark.extra_info.update(
-      variant="input_pipeline", baseline="flax", dataset=CONFIG.dataset,
-      global_batch=CONFIG.global_batch_size,
-      items_per_s=CONFIG.global_batch_size / benchmark.stats.stats.median, unit="images/s")
+    variant="input_pipeline",
+    baseline="flax",
+    dataset=CONFIG.dataset,
+    global_batch=CONFIG.global_batch_size,
+    items_per_s=CONFIG.global_batch_size / benchmark.stats.stats.median,
+    unit="images/s",
+  )

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import topologies
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
 
@@ -33,24 +34,26 @@ AXES = ("x", "y")
 
 def topology_mesh(topology_name: str) -> Mesh:
   """A 2-D ("x", "y") mesh over a TPU topology's devices, as square as their count allows."""
-  devices = np.array(topologies.get_topology_desc(
-      platform="tpu", topology_name=topology_name).devices)
+  devices = np.array(
+    topologies.get_topology_desc(platform="tpu", topology_name=topology_name).devices
+  )
   x = 2 ** (int(math.log2(devices.size)) // 2)
   return Mesh(devices.reshape(x, devices.size // x), AXES, axis_types=(AxisType.Auto,) * 2)
 
 
-def lower_all_reduce(mesh: Mesh, elements: int, dtype, implementation: str,
-                     axes: tuple[str, ...] = AXES):
+def lower_all_reduce(
+  mesh: Mesh, elements: int, dtype, implementation: str, axes: tuple[str, ...] = AXES
+):
   """``tc.all_reduce`` of a per-device ``[elements]`` buffer, lowered for ``mesh``."""
   spec = P(AXES)
 
   def per_device(v):
     return tc.all_reduce(v, axes, implementation=implementation)
 
-  fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=spec,
-                             check_vma=False))
-  arg = jax.ShapeDtypeStruct((mesh.size * elements,), jnp.dtype(dtype),
-                             sharding=NamedSharding(mesh, spec))
+  fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+  arg = jax.ShapeDtypeStruct(
+    (mesh.size * elements,), jnp.dtype(dtype), sharding=NamedSharding(mesh, spec)
+  )
   return fn.lower(arg)
 
 
@@ -60,35 +63,45 @@ def summary(compiled) -> dict[str, float]:
   cost = cost[0] if isinstance(cost, list) else cost
   memory = compiled.memory_analysis()
   return {
-      "bytes accessed": cost.get("bytes accessed", float("nan")),
-      "flops": cost.get("flops", 0.0),
-      "argument bytes": memory.argument_size_in_bytes,
-      "output bytes": memory.output_size_in_bytes,
-      "temp bytes": memory.temp_size_in_bytes,
-      "generated code bytes": memory.generated_code_size_in_bytes,
+    "bytes accessed": cost.get("bytes accessed", float("nan")),
+    "flops": cost.get("flops", 0.0),
+    "argument bytes": memory.argument_size_in_bytes,
+    "output bytes": memory.output_size_in_bytes,
+    "temp bytes": memory.temp_size_in_bytes,
+    "generated code bytes": memory.generated_code_size_in_bytes,
   }
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--topology", default="v5e:16x16")
-  parser.add_argument("--elements", type=int, default=RESNET50_PARAMETERS,
-                      help="gradient elements per device (default: ResNet-50)")
+  parser.add_argument(
+    "--elements",
+    type=int,
+    default=RESNET50_PARAMETERS,
+    help="gradient elements per device (default: ResNet-50)",
+  )
   parser.add_argument("--dtypes", default="float32,bfloat16")
   args = parser.parse_args(argv)
   mesh = topology_mesh(args.topology)
-  print(f"{args.topology}: mesh {dict(mesh.shape)}, all-reduce of {args.elements:,} elements "
-        "per device (XLA compiler estimates, not measurements)")
+  print(
+    f"{args.topology}: mesh {dict(mesh.shape)}, all-reduce of {args.elements:,} elements "
+    "per device (XLA compiler estimates, not measurements)"
+  )
   for dtype in args.dtypes.split(","):
-    rows = {impl: summary(lower_all_reduce(mesh, args.elements, dtype, impl).compile())
-            for impl in ("pallas", "xla")}
+    rows = {
+      impl: summary(lower_all_reduce(mesh, args.elements, dtype, impl).compile())
+      for impl in ("pallas", "xla")
+    }
     print(f"\n{dtype}  ({args.elements * jnp.dtype(dtype).itemsize / 2**20:.1f} MiB)")
     print(f"  {'':22s}{'pallas torus':>18s}{'xla psum':>18s}")
     for key in rows["xla"]:
       print(f"  {key:22s}{rows['pallas'][key]:18,.0f}{rows['xla'][key]:18,.0f}")
-  print("\nBytes accessed: the kernels' HBM traffic is priced from the schedule (their "
-        "pl.CostEstimate) plus XLA's glue;\nXLA's all-reduce estimate counts only its "
-        "operand and result, not the traffic inside the collective.")
+  print(
+    "\nBytes accessed: the kernels' HBM traffic is priced from the schedule (their "
+    "pl.CostEstimate) plus XLA's glue;\nXLA's all-reduce estimate counts only its "
+    "operand and result, not the traffic inside the collective."
+  )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -78,14 +79,17 @@ class BlockSizes:
   def check(self, rows: int, channels: int) -> None:
     """Raises ValueError unless these blocks tile an x[rows, channels] legally."""
     if channels % self.block_channels or (
-        self.block_channels != channels and self.block_channels % LANES):
+      self.block_channels != channels and self.block_channels % LANES
+    ):
       raise ValueError(
-          f"block_channels={self.block_channels} must divide {channels=} and be a "
-          f"multiple of {LANES} or all of them")
+        f"block_channels={self.block_channels} must divide {channels=} and be a "
+        f"multiple of {LANES} or all of them"
+      )
     if self.block_rows != rows and (self.block_rows % ROW_ALIGN or self.block_rows > rows):
       raise ValueError(
-          f"block_rows={self.block_rows} must be a multiple of {ROW_ALIGN} no larger "
-          f"than {rows=}, or all of them")
+        f"block_rows={self.block_rows} must be a multiple of {ROW_ALIGN} no larger "
+        f"than {rows=}, or all of them"
+      )
 
 
 # ----------------------------------------------------------------------------- folding
@@ -193,8 +197,9 @@ def _normalize_kernel(x_ref, coef_ref, y_ref, *, relu: bool):
   y_ref[...] = y.astype(y_ref.dtype)
 
 
-def _backward_sums_kernel(x_ref, dy_ref, coef_ref, out_ref, *, rows: int,
-                          block_rows: int, relu: bool):
+def _backward_sums_kernel(
+  x_ref, dy_ref, coef_ref, out_ref, *, rows: int, block_rows: int, relu: bool
+):
   mask = _row_mask(block_rows, rows)
   xc, g = _relu_masked_cotangent(x_ref[...], dy_ref[...], coef_ref, relu)
   sum_g = jnp.sum(_masked(g, mask), axis=0, keepdims=True)
@@ -217,8 +222,7 @@ def _backward_dx_kernel(x_ref, dy_ref, coef_ref, dx_ref, *, relu: bool):
 # ----------------------------------------------------------------------------- pallas_calls
 
 
-def _specs(rows: int, channels: int, block_sizes: BlockSizes | None, n_coef: int,
-           reduce: bool):
+def _specs(rows: int, channels: int, block_sizes: BlockSizes | None, n_coef: int, reduce: bool):
   """Grid, x-block spec and coef spec; reductions put the row axis innermost."""
   bs = block_sizes or BlockSizes.default(rows, channels)
   bs.check(rows, channels)
@@ -246,8 +250,9 @@ def _out_shape(shape, dtype, like):
 def _cost(*arrays, outputs, flops_per_element: int):
   """The kernel's HBM traffic (operands plus results) for XLA's cost analysis."""
   nbytes = sum(a.size * a.dtype.itemsize for a in (*arrays, *outputs))
-  return pl.CostEstimate(flops=flops_per_element * arrays[0].size, transcendentals=0,
-                         bytes_accessed=nbytes)
+  return pl.CostEstimate(
+    flops=flops_per_element * arrays[0].size, transcendentals=0, bytes_accessed=nbytes
+  )
 
 
 def _reduction_out_spec(k: int, bc: int):
@@ -261,10 +266,15 @@ def _stats_pallas(x, *, block_sizes=None):
   kernel = functools.partial(_stats_kernel, rows=rows, block_rows=bs.block_rows)
   out_shape = _out_shape((2, channels), jnp.float32, x)
   return pl.pallas_call(
-      kernel, grid=grid, in_specs=[x_spec],
-      out_specs=_reduction_out_spec(2, bs.block_channels), out_shape=out_shape,
-      cost_estimate=_cost(x, outputs=[out_shape], flops_per_element=5),
-      compiler_params=params, name="bn_stats")(x)
+    kernel,
+    grid=grid,
+    in_specs=[x_spec],
+    out_specs=_reduction_out_spec(2, bs.block_channels),
+    out_shape=out_shape,
+    cost_estimate=_cost(x, outputs=[out_shape], flops_per_element=5),
+    compiler_params=params,
+    name="bn_stats",
+  )(x)
 
 
 def stats(x, *, block_sizes: BlockSizes | None = None):
@@ -279,10 +289,15 @@ def _normalize_pallas(x, coef, *, relu, block_sizes=None):
   _, grid, x_spec, coef_spec, params = _specs(rows, channels, block_sizes, 3, reduce=False)
   out_shape = _out_shape(x.shape, x.dtype, x)
   return pl.pallas_call(
-      functools.partial(_normalize_kernel, relu=relu), grid=grid,
-      in_specs=[x_spec, coef_spec], out_specs=x_spec, out_shape=out_shape,
-      cost_estimate=_cost(x, coef, outputs=[out_shape], flops_per_element=4),
-      compiler_params=params, name="bn_normalize")(x, coef)
+    functools.partial(_normalize_kernel, relu=relu),
+    grid=grid,
+    in_specs=[x_spec, coef_spec],
+    out_specs=x_spec,
+    out_shape=out_shape,
+    cost_estimate=_cost(x, coef, outputs=[out_shape], flops_per_element=4),
+    compiler_params=params,
+    name="bn_normalize",
+  )(x, coef)
 
 
 def normalize(x, coef, *, relu: bool, block_sizes: BlockSizes | None = None):
@@ -295,21 +310,24 @@ def normalize(x, coef, *, relu: bool, block_sizes: BlockSizes | None = None):
 def _backward_sums_pallas(x, dy, coef, *, relu, block_sizes=None):
   rows, channels = x.shape
   bs, grid, x_spec, coef_spec, params = _specs(rows, channels, block_sizes, 3, reduce=True)
-  kernel = functools.partial(_backward_sums_kernel, rows=rows, block_rows=bs.block_rows,
-                             relu=relu)
+  kernel = functools.partial(_backward_sums_kernel, rows=rows, block_rows=bs.block_rows, relu=relu)
   out_shape = _out_shape((2, channels), jnp.float32, x)
   return pl.pallas_call(
-      kernel, grid=grid, in_specs=[x_spec, x_spec, coef_spec],
-      out_specs=_reduction_out_spec(2, bs.block_channels), out_shape=out_shape,
-      cost_estimate=_cost(x, dy, coef, outputs=[out_shape], flops_per_element=7),
-      compiler_params=params, name="bn_backward_sums")(x, dy, coef)
+    kernel,
+    grid=grid,
+    in_specs=[x_spec, x_spec, coef_spec],
+    out_specs=_reduction_out_spec(2, bs.block_channels),
+    out_shape=out_shape,
+    cost_estimate=_cost(x, dy, coef, outputs=[out_shape], flops_per_element=7),
+    compiler_params=params,
+    name="bn_backward_sums",
+  )(x, dy, coef)
 
 
 def backward_sums(x, dy, coef, *, relu: bool, block_sizes: BlockSizes | None = None):
   """Per-channel (sum g, sum g * (x - mean)) as float32 [2, C]; coef as in normalize."""
   with jax.named_scope("bn_backward_sums"):
-    return _backward_sums_pallas(x, dy, coef, merge=_merge_sums, relu=relu,
-                                 block_sizes=block_sizes)
+    return _backward_sums_pallas(x, dy, coef, merge=_merge_sums, relu=relu, block_sizes=block_sizes)
 
 
 @_folded(2)
@@ -318,10 +336,15 @@ def _backward_dx_pallas(x, dy, coef, *, relu, block_sizes=None):
   _, grid, x_spec, coef_spec, params = _specs(rows, channels, block_sizes, 5, reduce=False)
   out_shape = _out_shape(x.shape, x.dtype, x)
   return pl.pallas_call(
-      functools.partial(_backward_dx_kernel, relu=relu), grid=grid,
-      in_specs=[x_spec, x_spec, coef_spec], out_specs=x_spec, out_shape=out_shape,
-      cost_estimate=_cost(x, dy, coef, outputs=[out_shape], flops_per_element=9),
-      compiler_params=params, name="bn_backward_dx")(x, dy, coef)
+    functools.partial(_backward_dx_kernel, relu=relu),
+    grid=grid,
+    in_specs=[x_spec, x_spec, coef_spec],
+    out_specs=x_spec,
+    out_shape=out_shape,
+    cost_estimate=_cost(x, dy, coef, outputs=[out_shape], flops_per_element=9),
+    compiler_params=params,
+    name="bn_backward_dx",
+  )(x, dy, coef)
 
 
 def backward_dx(x, dy, coef, *, relu: bool, block_sizes: BlockSizes | None = None):
@@ -335,8 +358,7 @@ def backward_dx(x, dy, coef, *, relu: bool, block_sizes: BlockSizes | None = Non
 
 def _shift_block_rows(rows: int, target: int = 4096) -> int:
   """The largest divisor of ``rows`` up to ``target``: the reference's block length."""
-  divisors = (c for d in range(1, math.isqrt(rows) + 1) if rows % d == 0
-              for c in (d, rows // d))
+  divisors = (c for d in range(1, math.isqrt(rows) + 1) if rows % d == 0 for c in (d, rows // d))
   return max(c for c in divisors if c <= target)
 
 
@@ -387,5 +409,6 @@ class Passes(NamedTuple):
 
 
 PALLAS = Passes(stats, normalize, backward_sums, backward_dx)
-REFERENCE = Passes(stats_reference, normalize_reference, backward_sums_reference,
-                   backward_dx_reference)
+REFERENCE = Passes(
+  stats_reference, normalize_reference, backward_sums_reference, backward_dx_reference
+)

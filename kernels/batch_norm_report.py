@@ -18,13 +18,22 @@ import argparse
 import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from torus_collectives.batch_norm import batch_norm
 
-RESNET50_BN_SHAPES = [(112, 112, 64), (56, 56, 64), (56, 56, 256), (28, 28, 128),
-                      (28, 28, 512), (14, 14, 256), (14, 14, 1024), (7, 7, 512),
-                      (7, 7, 2048)]
+RESNET50_BN_SHAPES = [
+  (112, 112, 64),
+  (56, 56, 64),
+  (56, 56, 256),
+  (28, 28, 128),
+  (28, 28, 512),
+  (14, 14, 256),
+  (14, 14, 1024),
+  (7, 7, 512),
+  (7, 7, 2048),
+]
 
 
 def bytes_accessed(implementation: str, shape, backward: bool, device) -> float:
@@ -52,10 +61,11 @@ def main() -> None:
   args = parser.parse_args()
   device = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
   mib = 1 << 20
-  print(f"v5e, per-replica batch {args.batch}, bfloat16, MiB accessed "
-        "(compiled cost analysis)")
-  print(f"{'N,H,W,C':>18} {'fwd pallas':>11} {'fwd xla':>9} {'ratio':>6} "
-        f"{'fwd+bwd pallas':>15} {'fwd+bwd xla':>12} {'ratio':>6}")
+  print(f"v5e, per-replica batch {args.batch}, bfloat16, MiB accessed (compiled cost analysis)")
+  print(
+    f"{'N,H,W,C':>18} {'fwd pallas':>11} {'fwd xla':>9} {'ratio':>6} "
+    f"{'fwd+bwd pallas':>15} {'fwd+bwd xla':>12} {'ratio':>6}"
+  )
   for hwc in RESNET50_BN_SHAPES:
     shape = (args.batch, *hwc)
     row = []
@@ -63,8 +73,10 @@ def main() -> None:
       pallas = bytes_accessed("pallas", shape, backward, device) / mib
       xla = bytes_accessed("xla", shape, backward, device) / mib
       row += [pallas, xla, pallas / xla]
-    print(f"{str(shape):>18} {row[0]:11.1f} {row[1]:9.1f} {row[2]:6.2f} "
-          f"{row[3]:15.1f} {row[4]:12.1f} {row[5]:6.2f}")
+    print(
+      f"{str(shape):>18} {row[0]:11.1f} {row[1]:9.1f} {row[2]:6.2f} "
+      f"{row[3]:15.1f} {row[4]:12.1f} {row[5]:6.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -34,11 +34,11 @@ libtpu cannot compile Pallas remote DMAs for them.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 from jax._src import config as jax_config
 
 from kernels import torus_config as config_lib
@@ -46,8 +46,7 @@ from kernels import torus_kernels
 from torus_collectives import schedule as schedule_lib
 from torus_collectives._vma import ensure_varying
 
-SUPPORTED_DTYPES = tuple(
-    jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32))
+SUPPORTED_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32))
 # Generations whose libtpu cannot compile a Pallas remote DMA.
 UNSUPPORTED_TPU_KINDS = ("TPU v2", "TPU v3")
 
@@ -60,7 +59,8 @@ def interpret_mode_active() -> bool:
 def supports_device_kind(device_kind: str) -> bool:
   """Whether the kernels compile for a TPU of this ``device_kind`` (v4 and newer)."""
   return device_kind.startswith("TPU") and not any(
-      device_kind == k or device_kind.startswith(k + " ") for k in UNSUPPORTED_TPU_KINDS)
+    device_kind == k or device_kind.startswith(k + " ") for k in UNSUPPORTED_TPU_KINDS
+  )
 
 
 def _target() -> tuple[tuple[str, ...], str]:
@@ -72,25 +72,28 @@ def _target() -> tuple[tuple[str, ...], str]:
   if platform == "tpu":
     if not supports_device_kind(kind):
       raise NotImplementedError(
-          f"Pallas remote-DMA kernels do not compile for {kind!r}; use "
-          "implementation='shard_map' (or 'auto', which picks it) on TPU v2/v3.")
+        f"Pallas remote-DMA kernels do not compile for {kind!r}; use "
+        "implementation='shard_map' (or 'auto', which picks it) on TPU v2/v3."
+      )
   elif not interpret_mode_active():
     raise ValueError(
-        f"implementation='pallas' needs a TPU, but this computation targets {platform!r}. "
-        "To run the kernels on CPU in TPU interpret mode, trace the call inside "
-        "`with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):`, or use "
-        "implementation='auto'.")
+      f"implementation='pallas' needs a TPU, but this computation targets {platform!r}. "
+      "To run the kernels on CPU in TPU interpret mode, trace the call inside "
+      "`with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):`, or use "
+      "implementation='auto'."
+    )
   return tuple(mesh.axis_names), kind
 
 
 def _check(x: jax.Array, axes: Sequence[str], torus: Sequence[int]) -> None:
   if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
     raise NotImplementedError(
-        f"the Pallas torus kernels support float32, bfloat16, float16 and int32, got "
-        f"{x.dtype=}")
+      f"the Pallas torus kernels support float32, bfloat16, float16 and int32, got {x.dtype=}"
+    )
   if x.ndim != 1 or len(axes) != len(torus) or len(axes) not in (1, 2):
-    raise ValueError(f"expected a 1-D buffer and 1 or 2 torus axes, got {x.shape=}, "
-                     f"{axes=}, {torus=}")
+    raise ValueError(
+      f"expected a 1-D buffer and 1 or 2 torus axes, got {x.shape=}, {axes=}, {torus=}"
+    )
 
 
 def _work_dtype(dtype) -> jnp.dtype:
@@ -102,8 +105,9 @@ def _work_dtype(dtype) -> jnp.dtype:
 class _Plan:
   """Schedules and padded layout for one collective on one buffer size."""
 
-  def __init__(self, axes, torus, chunk_elements: int, itemsize: int,
-               config: config_lib.KernelConfig | None):
+  def __init__(
+    self, axes, torus, chunk_elements: int, itemsize: int, config: config_lib.KernelConfig | None
+  ):
     self.axes, self.torus = tuple(axes), tuple(int(n) for n in torus)
     self.mesh_axes, device_kind = _target()
     variant = schedule_lib.default_variant(self.torus)
@@ -133,19 +137,29 @@ class _Plan:
   def run_reduce_scatter(self, grid: jax.Array) -> jax.Array:
     """``(*torus, S, R, 128)`` -> this device's fully reduced ``(S, R, 128)`` chunk."""
     acc = torus_kernels.reduce_scatter_call(
-        ensure_varying(grid, self.axes), self.reduce_scatter, self.axes, self.mesh_axes,
-        self.config.block_rows)
+      ensure_varying(grid, self.axes),
+      self.reduce_scatter,
+      self.axes,
+      self.mesh_axes,
+      self.config.block_rows,
+    )
     return acc[self.own_index()]
 
   def run_all_gather(self, chunk: jax.Array) -> jax.Array:
     """``(S, R, 128)`` -> ``(p, S*R*128)``."""
     out = torus_kernels.all_gather_call(
-        ensure_varying(chunk, self.axes), self.all_gather, self.axes, self.mesh_axes)
+      ensure_varying(chunk, self.axes), self.all_gather, self.axes, self.mesh_axes
+    )
     return out.reshape(math.prod(self.torus), -1)
 
 
-def reduce_scatter(x: jax.Array, axes: Sequence[str], torus: Sequence[int], *,
-                   config: config_lib.KernelConfig | None = None) -> jax.Array:
+def reduce_scatter(
+  x: jax.Array,
+  axes: Sequence[str],
+  torus: Sequence[int],
+  *,
+  config: config_lib.KernelConfig | None = None,
+) -> jax.Array:
   """``[p*m] -> [m]``: this device's chunk of the sum over the torus."""
   _check(x, axes, torus)
   p = math.prod(torus)
@@ -160,8 +174,13 @@ def reduce_scatter(x: jax.Array, axes: Sequence[str], torus: Sequence[int], *,
   return own.reshape(-1)[:m].astype(x.dtype)
 
 
-def all_gather(x: jax.Array, axes: Sequence[str], torus: Sequence[int], *,
-               config: config_lib.KernelConfig | None = None) -> jax.Array:
+def all_gather(
+  x: jax.Array,
+  axes: Sequence[str],
+  torus: Sequence[int],
+  *,
+  config: config_lib.KernelConfig | None = None,
+) -> jax.Array:
   """``[m] -> [p*m]``: the chunks of all devices, row-major over ``axes``."""
   _check(x, axes, torus)
   if math.prod(torus) == 1:
@@ -171,8 +190,13 @@ def all_gather(x: jax.Array, axes: Sequence[str], torus: Sequence[int], *,
   return plan.run_all_gather(plan.to_chunk(x))[:, :m].reshape(-1)
 
 
-def all_reduce(x: jax.Array, axes: Sequence[str], torus: Sequence[int], *,
-               config: config_lib.KernelConfig | None = None) -> jax.Array:
+def all_reduce(
+  x: jax.Array,
+  axes: Sequence[str],
+  torus: Sequence[int],
+  *,
+  config: config_lib.KernelConfig | None = None,
+) -> jax.Array:
   """``[n] -> [n]``: the sum over the torus, on every device."""
   _check(x, axes, torus)
   n, p = x.size, math.prod(torus)

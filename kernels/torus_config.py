@@ -18,11 +18,11 @@ ROW_MULTIPLE = 16
 # blocks use at most 1/8 of it, leaving the rest to whatever XLA schedules around the
 # collective. These are sizing rules, not tuned values: nothing was measured on a TPU.
 _SCOPED_VMEM_BYTES = {
-    "TPU v4": 16 << 20,
-    "TPU v5 lite": 16 << 20,
-    "TPU v5": 16 << 20,
-    "TPU v5p": 16 << 20,
-    "TPU v6 lite": 32 << 20,
+  "TPU v4": 16 << 20,
+  "TPU v5 lite": 16 << 20,
+  "TPU v5": 16 << 20,
+  "TPU v5p": 16 << 20,
+  "TPU v6 lite": 32 << 20,
 }
 _FALLBACK_SCOPED_VMEM_BYTES = 16 << 20
 
@@ -41,8 +41,9 @@ class KernelConfig:
   def __post_init__(self):
     if self.block_rows <= 0 or self.block_rows % ROW_MULTIPLE:
       raise ValueError(
-          f"block_rows must be a positive multiple of {ROW_MULTIPLE} (the bfloat16 sublane "
-          f"tiling), got {self.block_rows=}")
+        f"block_rows must be a positive multiple of {ROW_MULTIPLE} (the bfloat16 sublane "
+        f"tiling), got {self.block_rows=}"
+      )
 
 
 def default_config(rows_per_slice: int, itemsize: int, device_kind: str) -> KernelConfig:

@@ -43,11 +43,11 @@ the kernels are verified in TPU interpret mode and compile for v4, v5e, v5p and 
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -76,8 +76,9 @@ def mesh_coordinates(mesh_axes: Sequence[str]) -> jax.Array:
 class _Topology:
   """Where this device sits on the torus, and how to name its neighbours as DMA targets."""
 
-  def __init__(self, axes: Sequence[str], torus: Sequence[int], mesh_axes: Sequence[str],
-               coords_ref):
+  def __init__(
+    self, axes: Sequence[str], torus: Sequence[int], mesh_axes: Sequence[str], coords_ref
+  ):
     self.axes, self.torus, self.mesh_axes = tuple(axes), tuple(torus), tuple(mesh_axes)
     self.mesh_coords = tuple(coords_ref[i] for i in range(len(self.mesh_axes)))
     self.coords = tuple(self.mesh_coords[self.mesh_axes.index(a)] for a in self.axes)
@@ -86,7 +87,8 @@ class _Topology:
     """Mesh coordinates of the device ``direction`` steps away along torus axis ``axis``."""
     moved = list(self.mesh_coords)
     moved[self.mesh_axes.index(self.axes[axis])] = _mod(
-        self.coords[axis] + direction, self.torus[axis])
+      self.coords[axis] + direction, self.torus[axis]
+    )
     return tuple(moved)
 
   def slab(self, phase: schedule_lib.Phase, step: int, *, sending: bool):
@@ -103,8 +105,14 @@ class _Topology:
 
   def barrier(self, schedule: schedule_lib.Schedule) -> None:
     """Tells every upstream neighbour we are here; waits until every downstream one is."""
-    links = sorted({(p.axis, p.direction) for phases in schedule.streams for p in phases
-                    if schedule.torus[p.axis] > 1})
+    links = sorted(
+      {
+        (p.axis, p.direction)
+        for phases in schedule.streams
+        for p in phases
+        if schedule.torus[p.axis] > 1
+      }
+    )
     sem = pltpu.get_barrier_semaphore()
     for axis, direction in links:
       pl.semaphore_signal(sem, 1, device_id=self.neighbour(axis, -direction))
@@ -135,8 +143,10 @@ def _accumulate(dst, src, own_bufs, in_bufs, sems) -> None:
 
   def loads(i, slot):
     chunk, rows_ = place(i)
-    return (pltpu.make_async_copy(dst.at[chunk, rows_], own_bufs.at[slot], sems.at[0, slot]),
-            pltpu.make_async_copy(src.at[chunk, rows_], in_bufs.at[slot], sems.at[1, slot]))
+    return (
+      pltpu.make_async_copy(dst.at[chunk, rows_], own_bufs.at[slot], sems.at[0, slot]),
+      pltpu.make_async_copy(src.at[chunk, rows_], in_bufs.at[slot], sems.at[1, slot]),
+    )
 
   def store(i, slot):
     chunk, rows_ = place(i)
@@ -169,8 +179,20 @@ def _accumulate(dst, src, own_bufs, in_bufs, sems) -> None:
   store(total - 1, (total - 1) % 2).wait()
 
 
-def _reduce_scatter_kernel(schedule, topo_args, coords_ref, x_ref, acc_ref, recv_ref,
-                           send_sems, recv_sems, capacity, buf_own, buf_in, local_sems):
+def _reduce_scatter_kernel(
+  schedule,
+  topo_args,
+  coords_ref,
+  x_ref,
+  acc_ref,
+  recv_ref,
+  send_sems,
+  recv_sems,
+  capacity,
+  buf_own,
+  buf_in,
+  local_sems,
+):
   del x_ref  # aliased with acc_ref: the reduction works in place
   topo = _Topology(*topo_args, coords_ref)
   steps = schedule.steps()
@@ -186,9 +208,12 @@ def _reduce_scatter_kernel(schedule, topo_args, coords_ref, x_ref, acc_ref, recv
         if t >= _RECV_SLOTS:  # the downstream slot still holds step t - 2 until freed
           pl.semaphore_wait(capacity.at[tr.stream, phase_of[tr.stream][t], slot], 1)
         copy = pltpu.make_async_remote_copy(
-            src, recv_ref.at[tr.stream, slot, pl.ds(0, src.shape[0])],
-            send_sems.at[tr.stream, t], recv_sems.at[tr.stream, t],
-            device_id=topo.neighbour(tr.phase.axis, tr.phase.direction))
+          src,
+          recv_ref.at[tr.stream, slot, pl.ds(0, src.shape[0])],
+          send_sems.at[tr.stream, t],
+          recv_sems.at[tr.stream, t],
+          device_id=topo.neighbour(tr.phase.axis, tr.phase.direction),
+        )
         copy.start()
         copies.append(copy)
     with jax.named_scope(f"reduce_step{t}"):
@@ -199,14 +224,17 @@ def _reduce_scatter_kernel(schedule, topo_args, coords_ref, x_ref, acc_ref, recv
         if t + _RECV_SLOTS < len(steps):  # free the slot for whoever fills it next
           later = steps[t + _RECV_SLOTS][tr.stream].phase
           pl.semaphore_signal(
-              capacity.at[tr.stream, phase_of[tr.stream][t + _RECV_SLOTS], slot], 1,
-              device_id=topo.neighbour(later.axis, -later.direction))
+            capacity.at[tr.stream, phase_of[tr.stream][t + _RECV_SLOTS], slot],
+            1,
+            device_id=topo.neighbour(later.axis, -later.direction),
+          )
       for copy in copies:
         copy.wait_send()
 
 
-def _all_gather_kernel(schedule, topo_args, coords_ref, x_ref, out_ref, send_sems, recv_sems,
-                       local_sem):
+def _all_gather_kernel(
+  schedule, topo_args, coords_ref, x_ref, out_ref, send_sems, recv_sems, local_sem
+):
   topo = _Topology(*topo_args, coords_ref)
   own = pltpu.make_async_copy(x_ref, out_ref.at[topo.coords], local_sem)
   own.start()
@@ -221,8 +249,12 @@ def _all_gather_kernel(schedule, topo_args, coords_ref, x_ref, out_ref, send_sem
         # same slab, so the slab has the same view on both sides.
         view = topo.slab_view(out_ref, tr, topo.slab(tr.phase, tr.step, sending=True))
         copy = pltpu.make_async_remote_copy(
-            view, view, send_sems.at[tr.stream, t], recv_sems.at[tr.stream, t],
-            device_id=topo.neighbour(tr.phase.axis, tr.phase.direction))
+          view,
+          view,
+          send_sems.at[tr.stream, t],
+          recv_sems.at[tr.stream, t],
+          device_id=topo.neighbour(tr.phase.axis, tr.phase.direction),
+        )
         copy.start()
         copies.append(copy)
       for copy in copies:
@@ -236,28 +268,37 @@ def _like(x: jax.Array, shape, dtype=None) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, dtype or x.dtype, manual_axis_type=jax.typeof(x).mat)
 
 
-def _cost(schedule: schedule_lib.Schedule, slice_elements: int, itemsize: int,
-          *, reduce: bool) -> pl.CostEstimate:
+def _cost(
+  schedule: schedule_lib.Schedule, slice_elements: int, itemsize: int, *, reduce: bool
+) -> pl.CostEstimate:
   """The kernel's cost for XLA's scheduler, priced from the schedule itself.
 
   Per element a device sends: one HBM read to send and one HBM write on arrival; a
   reduction adds two reads and a write (own + received -> own) and one add.
   """
-  sent = sum(t.slab_elements(schedule.torus, slice_elements)
-             for step in schedule.steps() for t in step)
+  sent = sum(
+    t.slab_elements(schedule.torus, slice_elements) for step in schedule.steps() for t in step
+  )
   return pl.CostEstimate(
-      flops=sent if reduce else 0, transcendentals=0,
-      bytes_accessed=(5 if reduce else 2) * sent * itemsize,
-      remote_bytes_transferred=sent * itemsize)
+    flops=sent if reduce else 0,
+    transcendentals=0,
+    bytes_accessed=(5 if reduce else 2) * sent * itemsize,
+    remote_bytes_transferred=sent * itemsize,
+  )
 
 
 def _max_slab_chunks(schedule: schedule_lib.Schedule) -> int:
   return max(t.slab_elements(schedule.torus, 1) for step in schedule.steps() for t in step)
 
 
-def reduce_scatter_call(x: jax.Array, schedule: schedule_lib.Schedule, axes: Sequence[str],
-                        mesh_axes: Sequence[str], block_rows: int,
-                        interpret=False) -> jax.Array:
+def reduce_scatter_call(
+  x: jax.Array,
+  schedule: schedule_lib.Schedule,
+  axes: Sequence[str],
+  mesh_axes: Sequence[str],
+  block_rows: int,
+  interpret=False,
+) -> jax.Array:
   """Runs a reduce-scatter ``schedule`` on ``x`` of shape ``(*torus, S, R, 128)``.
 
   Returns the work buffer: the own chunk ``[*coords]`` holds the full sum, the rest holds
@@ -266,67 +307,76 @@ def reduce_scatter_call(x: jax.Array, schedule: schedule_lib.Schedule, axes: Seq
   steps, streams = schedule.num_steps, schedule.num_streams
   _, rows, lanes = x.shape[-3:]
   phases = max(len(p) for p in schedule.streams)
-  kernel = functools.partial(_reduce_scatter_kernel, schedule,
-                             (tuple(axes), schedule.torus, tuple(mesh_axes)))
+  kernel = functools.partial(
+    _reduce_scatter_kernel, schedule, (tuple(axes), schedule.torus, tuple(mesh_axes))
+  )
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=1,
-      in_specs=[any_spec],
-      out_specs=(any_spec, any_spec),
-      scratch_shapes=[
-          pltpu.SemaphoreType.DMA((streams, steps)),
-          pltpu.SemaphoreType.DMA((streams, steps)),
-          pltpu.SemaphoreType.REGULAR((streams, phases, _RECV_SLOTS)),
-          pltpu.VMEM((2, block_rows, lanes), x.dtype),
-          pltpu.VMEM((2, block_rows, lanes), x.dtype),
-          pltpu.SemaphoreType.DMA((3, 2)),
-      ])
+    num_scalar_prefetch=1,
+    in_specs=[any_spec],
+    out_specs=(any_spec, any_spec),
+    scratch_shapes=[
+      pltpu.SemaphoreType.DMA((streams, steps)),
+      pltpu.SemaphoreType.DMA((streams, steps)),
+      pltpu.SemaphoreType.REGULAR((streams, phases, _RECV_SLOTS)),
+      pltpu.VMEM((2, block_rows, lanes), x.dtype),
+      pltpu.VMEM((2, block_rows, lanes), x.dtype),
+      pltpu.SemaphoreType.DMA((3, 2)),
+    ],
+  )
   acc, _ = pl.pallas_call(
-      kernel,
-      out_shape=(
-          _like(x, x.shape),
-          # Receive slots live in HBM; an output is how a kernel gets an HBM buffer.
-          _like(x, (streams, _RECV_SLOTS, _max_slab_chunks(schedule), rows, lanes)),
-      ),
-      grid_spec=grid_spec,
-      input_output_aliases={1: 0},  # operand 0 is the coordinates
-      cost_estimate=_cost(schedule, rows * lanes, x.dtype.itemsize, reduce=True),
-      compiler_params=pltpu.CompilerParams(
-          collective_id=_REDUCE_SCATTER_COLLECTIVE_ID, has_side_effects=True),
-      interpret=interpret,
-      name="torus_reduce_scatter",
+    kernel,
+    out_shape=(
+      _like(x, x.shape),
+      # Receive slots live in HBM; an output is how a kernel gets an HBM buffer.
+      _like(x, (streams, _RECV_SLOTS, _max_slab_chunks(schedule), rows, lanes)),
+    ),
+    grid_spec=grid_spec,
+    input_output_aliases={1: 0},  # operand 0 is the coordinates
+    cost_estimate=_cost(schedule, rows * lanes, x.dtype.itemsize, reduce=True),
+    compiler_params=pltpu.CompilerParams(
+      collective_id=_REDUCE_SCATTER_COLLECTIVE_ID, has_side_effects=True
+    ),
+    interpret=interpret,
+    name="torus_reduce_scatter",
   )(mesh_coordinates(mesh_axes), x)
   return acc
 
 
-def all_gather_call(x: jax.Array, schedule: schedule_lib.Schedule, axes: Sequence[str],
-                    mesh_axes: Sequence[str], interpret=False) -> jax.Array:
+def all_gather_call(
+  x: jax.Array,
+  schedule: schedule_lib.Schedule,
+  axes: Sequence[str],
+  mesh_axes: Sequence[str],
+  interpret=False,
+) -> jax.Array:
   """Runs an all-gather ``schedule`` on the own chunk ``x`` of shape ``(S, R, 128)``.
 
   Returns the full grid ``(*torus, S, R, 128)``.
   """
   steps, streams = schedule.num_steps, schedule.num_streams
-  kernel = functools.partial(_all_gather_kernel, schedule,
-                             (tuple(axes), schedule.torus, tuple(mesh_axes)))
+  kernel = functools.partial(
+    _all_gather_kernel, schedule, (tuple(axes), schedule.torus, tuple(mesh_axes))
+  )
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=1,
-      in_specs=[any_spec],
-      out_specs=any_spec,
-      scratch_shapes=[
-          pltpu.SemaphoreType.DMA((streams, steps)),
-          pltpu.SemaphoreType.DMA((streams, steps)),
-          pltpu.SemaphoreType.DMA(()),
-      ])
+    num_scalar_prefetch=1,
+    in_specs=[any_spec],
+    out_specs=any_spec,
+    scratch_shapes=[
+      pltpu.SemaphoreType.DMA((streams, steps)),
+      pltpu.SemaphoreType.DMA((streams, steps)),
+      pltpu.SemaphoreType.DMA(()),
+    ],
+  )
   return pl.pallas_call(
-      kernel,
-      out_shape=_like(x, schedule.torus + x.shape),
-      grid_spec=grid_spec,
-      cost_estimate=_cost(schedule, x.shape[-2] * x.shape[-1], x.dtype.itemsize,
-                          reduce=False),
-      compiler_params=pltpu.CompilerParams(
-          collective_id=_ALL_GATHER_COLLECTIVE_ID, has_side_effects=True),
-      interpret=interpret,
-      name="torus_all_gather",
+    kernel,
+    out_shape=_like(x, schedule.torus + x.shape),
+    grid_spec=grid_spec,
+    cost_estimate=_cost(schedule, x.shape[-2] * x.shape[-1], x.dtype.itemsize, reduce=False),
+    compiler_params=pltpu.CompilerParams(
+      collective_id=_ALL_GATHER_COLLECTIVE_ID, has_side_effects=True
+    ),
+    interpret=interpret,
+    name="torus_all_gather",
   )(mesh_coordinates(mesh_axes), x)
-

@@ -10,21 +10,22 @@ device count must be in XLA_FLAGS before jax starts.
 
 import os
 
-from absl import app
-from absl import flags
-from absl import logging
+from absl import app, flags, logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.',
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, logs and plots go here.')
 _COORDINATOR = flags.DEFINE_string(
-    'coordinator_address', os.environ.get('JAX_COORDINATOR_ADDRESS'),
-    'host:port of process 0, for multi-process runs.')
+  'coordinator_address',
+  os.environ.get('JAX_COORDINATOR_ADDRESS'),
+  'host:port of process 0, for multi-process runs.',
+)
 _NUM_PROCESSES = flags.DEFINE_integer(
-    'num_processes', int(os.environ.get('JAX_NUM_PROCESSES', 1)), 'Number of processes.')
+  'num_processes', int(os.environ.get('JAX_NUM_PROCESSES', 1)), 'Number of processes.'
+)
 _PROCESS_ID = flags.DEFINE_integer(
-    'process_id', int(os.environ.get('JAX_PROCESS_ID', 0)), 'This process, 0-based.')
+  'process_id', int(os.environ.get('JAX_PROCESS_ID', 0)), 'This process, 0-based.'
+)
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
@@ -36,16 +37,22 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   on_cpu = os.environ.get('JAX_PLATFORMS', '') == 'cpu'
   if on_cpu and config.simulated_cpu_devices:
-    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform'
-                               f'_device_count={config.simulated_cpu_devices}').strip()
+    os.environ['XLA_FLAGS'] = (
+      os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform'
+      f'_device_count={config.simulated_cpu_devices}'
+    ).strip()
   import jax  # pylint: disable=g-import-not-at-top
+
   if _NUM_PROCESSES.value > 1:
     if on_cpu:
       jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
-                               num_processes=_NUM_PROCESSES.value,
-                               process_id=_PROCESS_ID.value)
+    jax.distributed.initialize(
+      coordinator_address=_COORDINATOR.value,
+      num_processes=_NUM_PROCESSES.value,
+      process_id=_PROCESS_ID.value,
+    )
   from resnet import train  # pylint: disable=g-import-not-at-top
+
   train.train_and_evaluate(config, _WORKDIR.value)
 
 

@@ -13,8 +13,8 @@ Batch norm statistics are averaged over ``bn_group_size`` consecutive replicas o
 ``jax.shard_map`` that binds ``axis_name`` whenever ``train=True``.
 """
 
-from collections.abc import Sequence
 import functools
+from collections.abc import Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -22,9 +22,9 @@ import jax.numpy as jnp
 from torus_collectives import nn as tc_nn
 
 
-
 class BottleneckBlock(nn.Module):
   """1x1 -> 3x3 (strided) -> 1x1 with a 4x wider output; projection shortcut if needed."""
+
   filters: int
   strides: int
   conv: functools.partial
@@ -39,14 +39,16 @@ class BottleneckBlock(nn.Module):
     y = self.conv(self.filters * 4, (1, 1))(y)
     y = self.norm(scale_init=nn.initializers.zeros)(y)
     if residual.shape != y.shape:
-      residual = self.conv(self.filters * 4, (1, 1), (self.strides, self.strides),
-                           name='proj_conv')(residual)
+      residual = self.conv(
+        self.filters * 4, (1, 1), (self.strides, self.strides), name='proj_conv'
+      )(residual)
       residual = self.norm(name='proj_bn')(residual)
     return nn.relu(residual + y)
 
 
 class BasicBlock(nn.Module):
   """Two 3x3 convolutions (ResNet-18/34)."""
+
   filters: int
   strides: int
   conv: functools.partial
@@ -60,14 +62,16 @@ class BasicBlock(nn.Module):
     y = self.conv(self.filters, (3, 3))(y)
     y = self.norm(scale_init=nn.initializers.zeros)(y)
     if residual.shape != y.shape:
-      residual = self.conv(self.filters, (1, 1), (self.strides, self.strides),
-                           name='proj_conv')(residual)
+      residual = self.conv(self.filters, (1, 1), (self.strides, self.strides), name='proj_conv')(
+        residual
+      )
       residual = self.norm(name='proj_bn')(residual)
     return nn.relu(residual + y)
 
 
 class ResNet(nn.Module):
   """ImageNet ResNet: 7x7/2 stem, 3x3/2 max pool, four stages, global average pool."""
+
   stage_sizes: Sequence[int]
   block_cls: type[nn.Module]
   num_classes: int
@@ -83,17 +87,25 @@ class ResNet(nn.Module):
 
   @nn.compact
   def __call__(self, x, *, train: bool):
-    conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype,
-                             kernel_init=nn.initializers.variance_scaling(
-                                 2.0, 'fan_out', 'normal'))
+    conv = functools.partial(
+      nn.Conv,
+      use_bias=False,
+      dtype=self.dtype,
+      kernel_init=nn.initializers.variance_scaling(2.0, 'fan_out', 'normal'),
+    )
     norm = functools.partial(
-        tc_nn.BatchNorm if self.batch_norm == 'torus_collectives' else nn.BatchNorm,
-        use_running_average=not train, momentum=self.bn_momentum, epsilon=self.bn_epsilon,
-        dtype=self.dtype, axis_name=self.axis_name if train else None)
+      tc_nn.BatchNorm if self.batch_norm == 'torus_collectives' else nn.BatchNorm,
+      use_running_average=not train,
+      momentum=self.bn_momentum,
+      epsilon=self.bn_epsilon,
+      dtype=self.dtype,
+      axis_name=self.axis_name if train else None,
+    )
     if self.batch_norm == 'torus_collectives':
       norm = functools.partial(norm, group_size=self.bn_group_size if train else None)
-    x = conv(self.num_filters, (7, 7), (2, 2), padding=[(3, 3), (3, 3)],
-             name='stem_conv')(x.astype(self.dtype))
+    x = conv(self.num_filters, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], name='stem_conv')(
+      x.astype(self.dtype)
+    )
     x = nn.relu(norm(name='stem_bn')(x))
     x = nn.max_pool(x, (3, 3), strides=(2, 2), padding='SAME')
     for stage, num_blocks in enumerate(self.stage_sizes):
@@ -101,19 +113,17 @@ class ResNet(nn.Module):
         strides = 2 if stage > 0 and block == 0 else 1
         x = self.block_cls(self.num_filters * 2**stage, strides, conv, norm)(x)
     x = jnp.mean(x, axis=(1, 2))
-    x = nn.Dense(self.num_classes, dtype=self.dtype,
-                 kernel_init=nn.initializers.normal(0.01))(x)
+    x = nn.Dense(self.num_classes, dtype=self.dtype, kernel_init=nn.initializers.normal(0.01))(x)
     return x.astype(jnp.float32)
 
 
 _ARCHITECTURES = {
-    'resnet18': dict(stage_sizes=(2, 2, 2, 2), block_cls=BasicBlock),
-    'resnet34': dict(stage_sizes=(3, 4, 6, 3), block_cls=BasicBlock),
-    'resnet50': dict(stage_sizes=(3, 4, 6, 3), block_cls=BottleneckBlock),
-    # Four one-block stages of width 8: every code path of ResNet-50 in a few thousand
-    # parameters, for tests.
-    'resnet_tiny': dict(stage_sizes=(1, 1, 1, 1), block_cls=BottleneckBlock,
-                        num_filters=8),
+  'resnet18': dict(stage_sizes=(2, 2, 2, 2), block_cls=BasicBlock),
+  'resnet34': dict(stage_sizes=(3, 4, 6, 3), block_cls=BasicBlock),
+  'resnet50': dict(stage_sizes=(3, 4, 6, 3), block_cls=BottleneckBlock),
+  # Four one-block stages of width 8: every code path of ResNet-50 in a few thousand
+  # parameters, for tests.
+  'resnet_tiny': dict(stage_sizes=(1, 1, 1, 1), block_cls=BottleneckBlock, num_filters=8),
 }
 
 

@@ -11,29 +11,49 @@ import jax
 import optax
 
 
-def learning_rate_schedule(*, base_learning_rate: float, global_batch: int,
-                           warmup_steps: int, total_steps: int, end_learning_rate: float,
-                           power: float) -> optax.Schedule:
+def learning_rate_schedule(
+  *,
+  base_learning_rate: float,
+  global_batch: int,
+  warmup_steps: int,
+  total_steps: int,
+  end_learning_rate: float,
+  power: float,
+) -> optax.Schedule:
   """Linear warmup from 0 to the peak, then (1 - t)^power decay to ``end_learning_rate``."""
   if not 0 <= warmup_steps < total_steps:
-    raise ValueError(f'Need 0 <= {warmup_steps=} < {total_steps=}; shorten the warmup '
-                     'or train longer.')
+    raise ValueError(
+      f'Need 0 <= {warmup_steps=} < {total_steps=}; shorten the warmup or train longer.'
+    )
   peak = base_learning_rate * global_batch / 256
-  return optax.join_schedules([
+  return optax.join_schedules(
+    [
       optax.linear_schedule(0.0, peak, warmup_steps),
-      optax.polynomial_schedule(peak, end_learning_rate, power,
-                                total_steps - warmup_steps),
-  ], [warmup_steps])
+      optax.polynomial_schedule(peak, end_learning_rate, power, total_steps - warmup_steps),
+    ],
+    [warmup_steps],
+  )
 
 
 def kernel_mask(params) -> dict:
   """True for the leaves LARS and weight decay act on: kernels, not scales or biases."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: path[-1].key == 'kernel', params)
+  return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key == 'kernel', params)
 
 
-def lars(schedule: optax.Schedule, *, weight_decay: float, momentum: float,
-         trust_coefficient: float, eps: float) -> optax.GradientTransformation:
-  return optax.lars(schedule, weight_decay=weight_decay, weight_decay_mask=kernel_mask,
-                    trust_coefficient=trust_coefficient, eps=eps,
-                    trust_ratio_mask=kernel_mask, momentum=momentum)
+def lars(
+  schedule: optax.Schedule,
+  *,
+  weight_decay: float,
+  momentum: float,
+  trust_coefficient: float,
+  eps: float,
+) -> optax.GradientTransformation:
+  return optax.lars(
+    schedule,
+    weight_decay=weight_decay,
+    weight_decay_mask=kernel_mask,
+    trust_coefficient=trust_coefficient,
+    eps=eps,
+    trust_ratio_mask=kernel_mask,
+    momentum=momentum,
+  )

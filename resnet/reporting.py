@@ -13,7 +13,8 @@ import jax
 import tensorflow as tf
 
 _SCALAR = tf.compat.v1.SummaryMetadata(
-    plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name='scalars'))
+  plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name='scalars')
+)
 
 
 class MetricWriter:
@@ -45,8 +46,10 @@ def plot_curves(workdir: str | pathlib.Path) -> pathlib.Path | None:
   if jax.process_index() != 0:
     return None
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use('Agg')
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+
   records = read_metrics(workdir)
 
   def series(name):

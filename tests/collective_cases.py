@@ -11,11 +11,11 @@ from jax.sharding import PartitionSpec as P
 import torus_collectives as tc
 
 MESHES = {
-    "2x4": (2, 4),
-    "4x2": (4, 2),
-    "1x8": (1, 8),
-    "8x1": (8, 1),
-    "2x2": (2, 2),
+  "2x4": (2, 4),
+  "4x2": (4, 2),
+  "1x8": (1, 8),
+  "8x1": (8, 1),
+  "2x2": (2, 2),
 }
 
 
@@ -33,8 +33,9 @@ def sharded(fn, mesh, check_vma=True):
     outs = fn(*jax.tree.map(lambda v: v[0], local))
     return jax.tree.map(lambda o: o[None], outs)
 
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=everything, out_specs=everything,
-                               check_vma=check_vma))
+  return jax.jit(
+    jax.shard_map(body, mesh=mesh, in_specs=everything, out_specs=everything, check_vma=check_vma)
+  )
 
 
 def per_device(fn, mesh, *inputs, check_vma=True):

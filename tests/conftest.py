@@ -13,7 +13,7 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # Subprocess tests load libtpu (for ahead-of-time TPU compiles) while this process holds it.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
 import jax  # noqa: E402
@@ -25,4 +25,5 @@ NUM_DEVICES = 8
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
   assert jax.device_count() == NUM_DEVICES, (
-      "tests need 8 simulated CPU devices; import jax only after tests/conftest.py")
+    "tests need 8 simulated CPU devices; import jax only after tests/conftest.py"
+  )

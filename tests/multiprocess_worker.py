@@ -13,13 +13,18 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 
 def main(port: int, process_id: int) -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                             process_id=process_id, initialization_timeout=120)
+  jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=2,
+    process_id=process_id,
+    initialization_timeout=120,
+  )
   import torus_collectives as tc
 
   mesh = tc.make_torus_mesh((2, 4))
@@ -32,11 +37,16 @@ def main(port: int, process_id: int) -> None:
   x = jax.make_array_from_process_local_data(sharding, local, global_x.shape)
 
   def body(v):
-    ours = (tc.all_reduce(v, ("x", "y"), implementation="shard_map"),
-            tc.reduce_scatter(v, ("x", "y"), tiled=True, implementation="shard_map"),
-            tc.all_gather(v, ("y", "x"), tiled=True, implementation="shard_map"))
-    ref = (lax.psum(v, ("x", "y")), lax.psum_scatter(v, ("x", "y"), tiled=True),
-           lax.all_gather(v, ("y", "x"), tiled=True))
+    ours = (
+      tc.all_reduce(v, ("x", "y"), implementation="shard_map"),
+      tc.reduce_scatter(v, ("x", "y"), tiled=True, implementation="shard_map"),
+      tc.all_gather(v, ("y", "x"), tiled=True, implementation="shard_map"),
+    )
+    ref = (
+      lax.psum(v, ("x", "y")),
+      lax.psum_scatter(v, ("x", "y"), tiled=True),
+      lax.all_gather(v, ("y", "x"), tiled=True),
+    )
     return ours, ref
 
   ours, ref = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(x)

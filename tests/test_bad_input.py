@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from collective_cases import mesh_of, per_device
 
 import torus_collectives as tc
-from collective_cases import mesh_of, per_device
 
 
 def _run(fn, local_shape=(8, 3), dtype=jnp.float32):
@@ -90,4 +90,5 @@ def test_torus_mesh_is_auto_typed():
   assert mesh.axis_names == ("x", "y") and dict(mesh.shape) == {"x": 2, "y": 4}
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
   np.testing.assert_array_equal(
-      np.vectorize(lambda d: d.id)(mesh.devices), np.arange(8).reshape(2, 4))
+    np.vectorize(lambda d: d.id)(mesh.devices), np.arange(8).reshape(2, 4)
+  )

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from torus_collectives import groups
 from torus_collectives.batch_norm import batch_norm
@@ -44,8 +45,7 @@ def _assert_close(actual, expected, dtype, count):
   """
   actual = np.asarray(actual, np.float64)
   expected = np.asarray(expected, np.float64)
-  tol = (2 * float(jnp.finfo(dtype).eps)
-         + 4 * float(jnp.finfo(jnp.float32).eps) * math.sqrt(count))
+  tol = 2 * float(jnp.finfo(dtype).eps) + 4 * float(jnp.finfo(jnp.float32).eps) * math.sqrt(count)
   err = np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30)
   assert err <= tol, f"relative error {err:.3g} > {tol:.3g}"
 
@@ -59,22 +59,27 @@ def _grads_in_shard_map(module, x, weights, scale, bias):
 
   def body(x, scale, bias):
     def loss(x, scale, bias):
-      variables = {"params": {"scale": scale, "bias": bias},
-                   "batch_stats": {"mean": jnp.zeros(C), "var": jnp.ones(C)}}
+      variables = {
+        "params": {"scale": scale, "bias": bias},
+        "batch_stats": {"mean": jnp.zeros(C), "var": jnp.ones(C)},
+      }
       y, state = module.apply(variables, x, mutable=["batch_stats"])
       return _loss(y, weights), (y, state["batch_stats"])
 
-    (_, (y, stats)), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(
-        x, scale, bias)
+    (_, (y, stats)), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(x, scale, bias)
     return y, stats, grads
 
   rep = P(AXES)
   stats_spec = {"mean": P(AXES), "var": P(AXES)}
   f = jax.shard_map(
-      lambda *a: jax.tree.map(lambda s: s[None] if s.ndim == 1 else s, body(*a),
-                              is_leaf=lambda s: isinstance(s, jax.Array)),
-      mesh=_mesh(), in_specs=(rep, P(), P()),
-      out_specs=(rep, stats_spec, (rep, rep, rep)), check_vma=False)
+    lambda *a: jax.tree.map(
+      lambda s: s[None] if s.ndim == 1 else s, body(*a), is_leaf=lambda s: isinstance(s, jax.Array)
+    ),
+    mesh=_mesh(),
+    in_specs=(rep, P(), P()),
+    out_specs=(rep, stats_spec, (rep, rep, rep)),
+    check_vma=False,
+  )
   return jax.jit(f)(x, scale, bias)
 
 
@@ -83,10 +88,16 @@ def _grads_in_shard_map(module, x, weights, scale, bias):
 def test_module_matches_flax(dtype, group_size):
   """Whole mesh vs flax with axis_name; group of 1 vs flax's local batch norm."""
   x, weights, scale, bias = _inputs(dtype)
-  ours = BatchNorm(use_running_average=False, axis_name=AXES, group_size=group_size,
-                   dtype=dtype, implementation="xla")
-  flax_bn = fnn.BatchNorm(use_running_average=False, dtype=dtype,
-                          axis_name=AXES if group_size is None else None)
+  ours = BatchNorm(
+    use_running_average=False,
+    axis_name=AXES,
+    group_size=group_size,
+    dtype=dtype,
+    implementation="xla",
+  )
+  flax_bn = fnn.BatchNorm(
+    use_running_average=False, dtype=dtype, axis_name=AXES if group_size is None else None
+  )
   got = _grads_in_shard_map(ours, x, weights, scale, bias)
   want = _grads_in_shard_map(flax_bn, x, weights, scale, bias)
   count = x.size // C // (1 if group_size is None else REPLICAS)
@@ -102,7 +113,7 @@ def _reference_total_loss(x, weights, scale, bias, tile, relu):
   total = 0.0
   for gx in range(MESH_SHAPE[0] // tx):
     for gy in range(MESH_SHAPE[1] // ty):
-      group = per_replica[gx * tx:(gx + 1) * tx, gy * ty:(gy + 1) * ty]
+      group = per_replica[gx * tx : (gx + 1) * tx, gy * ty : (gy + 1) * ty]
       mean = jnp.mean(group, axis=(0, 1, 2, 3, 4))
       var = jnp.mean((group - mean) ** 2, axis=(0, 1, 2, 3, 4))
       y = (group - mean) * jax.lax.rsqrt(var + 1e-5) * scale + bias
@@ -112,20 +123,24 @@ def _reference_total_loss(x, weights, scale, bias, tile, relu):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("group_size,tile,relu", [
-    (2, (1, 2), True), (4, (1, 4), False), ((2, 2), (2, 2), True)])
+@pytest.mark.parametrize(
+  "group_size,tile,relu", [(2, (1, 2), True), (4, (1, 4), False), ((2, 2), (2, 2), True)]
+)
 def test_intermediate_groups_match_gathered_reference(dtype, group_size, tile, relu):
   x, weights, scale, bias = _inputs(dtype, offset=3.0)
 
   def body(x, scale, bias):
     def loss(x, scale, bias):
-      y, _, _ = batch_norm(x, scale, bias, axis_name=AXES, group_size=group_size,
-                           relu=relu, implementation="xla")
+      y, _, _ = batch_norm(
+        x, scale, bias, axis_name=AXES, group_size=group_size, relu=relu, implementation="xla"
+      )
       return _loss(y, weights)
+
     return jax.grad(loss, (0, 1, 2))(x, scale, bias)
 
-  got = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P(AXES), P(), P()),
-                              out_specs=(P(AXES), P(), P())))(x, scale, bias)
+  got = jax.jit(
+    jax.shard_map(body, mesh=_mesh(), in_specs=(P(AXES), P(), P()), out_specs=(P(AXES), P(), P()))
+  )(x, scale, bias)
   want = jax.grad(_reference_total_loss, (0, 2, 3))(x, weights, scale, bias, tile, relu)
   count = x.size // C // REPLICAS * math.prod(tile)
   for a, b in zip(got, want):
@@ -136,9 +151,14 @@ def test_group_statistics_are_identical_within_a_tile():
   """Group 2 = (1, 2): replicas (i, 2k) and (i, 2k + 1) share mean and var bit for bit."""
   x, _, scale, bias = _inputs(jnp.float32, offset=100.0)
   f = jax.shard_map(
-      lambda x: tuple(s[None] for s in batch_norm(
-          x, scale, bias, axis_name=AXES, group_size=2, implementation="xla")[1:]),
-      mesh=_mesh(), in_specs=P(AXES), out_specs=(P(AXES), P(AXES)))
+    lambda x: tuple(
+      s[None]
+      for s in batch_norm(x, scale, bias, axis_name=AXES, group_size=2, implementation="xla")[1:]
+    ),
+    mesh=_mesh(),
+    in_specs=P(AXES),
+    out_specs=(P(AXES), P(AXES)),
+  )
   for stat in jax.jit(f)(x):
     stat = np.asarray(stat).reshape(MESH_SHAPE[0], MESH_SHAPE[1] // 2, 2, C)
     np.testing.assert_array_equal(stat[:, :, 0], stat[:, :, 1])
@@ -151,8 +171,9 @@ def test_large_mean_bfloat16_statistics_are_exact():
   x = (512.0 + jax.random.normal(jax.random.key(1), (rows, channels))).astype(jnp.bfloat16)
   x64 = np.asarray(x, np.float64)
   want_var = x64.var(axis=0)
-  _, mean, var = jax.jit(lambda x: batch_norm(x, jnp.ones(channels), jnp.zeros(channels),
-                                              implementation="xla"))(x)
+  _, mean, var = jax.jit(
+    lambda x: batch_norm(x, jnp.ones(channels), jnp.zeros(channels), implementation="xla")
+  )(x)
   np.testing.assert_allclose(mean, x64.mean(axis=0), rtol=1e-6)
   np.testing.assert_allclose(var, want_var, rtol=1e-4)
   xf = x.astype(jnp.float32)
@@ -165,45 +186,55 @@ def test_running_averages_and_eval_match_flax():
   ours = BatchNorm(momentum=0.9, implementation="xla")
   theirs = fnn.BatchNorm(momentum=0.9)
   variables = theirs.init(jax.random.key(0), x, use_running_average=False)
-  assert (jax.tree.map(jnp.shape, ours.init(jax.random.key(0), x,
-                                            use_running_average=False))
-          == jax.tree.map(jnp.shape, variables))
+  assert jax.tree.map(
+    jnp.shape, ours.init(jax.random.key(0), x, use_running_average=False)
+  ) == jax.tree.map(jnp.shape, variables)
   stats = {"ours": variables["batch_stats"], "theirs": variables["batch_stats"]}
   for step in range(2):
     xs = x * (step + 1) + step
     for name, module in (("ours", ours), ("theirs", theirs)):
-      _, new = module.apply({**variables, "batch_stats": stats[name]}, xs,
-                            use_running_average=False, mutable=["batch_stats"])
+      _, new = module.apply(
+        {**variables, "batch_stats": stats[name]},
+        xs,
+        use_running_average=False,
+        mutable=["batch_stats"],
+      )
       stats[name] = new["batch_stats"]
   for a, b in zip(jax.tree.leaves(stats["ours"]), jax.tree.leaves(stats["theirs"])):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   assert not np.allclose(stats["ours"]["mean"], 0)
-  evaluated = {name: module.apply({**variables, "batch_stats": stats["ours"]}, x,
-                                  use_running_average=True)
-               for name, module in (("ours", ours), ("theirs", theirs))}
+  evaluated = {
+    name: module.apply({**variables, "batch_stats": stats["ours"]}, x, use_running_average=True)
+    for name, module in (("ours", ours), ("theirs", theirs))
+  }
   np.testing.assert_allclose(evaluated["ours"], evaluated["theirs"], rtol=1e-6, atol=1e-6)
 
 
 def test_module_on_non_last_feature_axis_matches_flax():
   x = jnp.moveaxis(_inputs(jnp.float32, batch=4)[0], -1, 1)
   variables = fnn.BatchNorm(axis=1).init(jax.random.key(0), x, use_running_average=False)
-  got, _ = BatchNorm(axis=1, use_running_average=False).apply(
-      variables, x, mutable=["batch_stats"])
+  got, _ = BatchNorm(axis=1, use_running_average=False).apply(variables, x, mutable=["batch_stats"])
   want, _ = fnn.BatchNorm(axis=1, use_running_average=False).apply(
-      variables, x, mutable=["batch_stats"])
+    variables, x, mutable=["batch_stats"]
+  )
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_core_package_does_not_import_flax():
   import subprocess
   import sys
-  code = ("import sys, torus_collectives, torus_collectives.batch_norm, "
-          "torus_collectives.groups; assert 'flax' not in sys.modules")
+
+  code = (
+    "import sys, torus_collectives, torus_collectives.batch_norm, "
+    "torus_collectives.groups; assert 'flax' not in sys.modules"
+  )
   subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("group_size,tile", [
-    (None, (2, 4)), (1, (1, 1)), (2, (1, 2)), (4, (1, 4)), (8, (2, 4)), ((2, 2), (2, 2))])
+@pytest.mark.parametrize(
+  "group_size,tile",
+  [(None, (2, 4)), (1, (1, 1)), (2, (1, 2)), (4, (1, 4)), (8, (2, 4)), ((2, 2), (2, 2))],
+)
 def test_resolve_tile_fills_the_last_axis_first(group_size, tile):
   assert groups.resolve_tile(group_size, MESH_SHAPE) == tile
 
@@ -213,8 +244,12 @@ def test_resolve_tile_fills_the_last_axis_first(group_size, tile):
 
 def _call_in_shard_map(**kwargs):
   x = jnp.ones((REPLICAS, 2, C))
-  f = jax.shard_map(lambda x: batch_norm(x, jnp.ones(C), jnp.zeros(C), **kwargs)[0],
-                    mesh=_mesh(), in_specs=P(AXES), out_specs=P(AXES))
+  f = jax.shard_map(
+    lambda x: batch_norm(x, jnp.ones(C), jnp.zeros(C), **kwargs)[0],
+    mesh=_mesh(),
+    in_specs=P(AXES),
+    out_specs=P(AXES),
+  )
   jax.eval_shape(f, x)
 
 
@@ -265,5 +300,4 @@ def test_unknown_implementation_raises():
 
 def test_module_with_several_feature_axes_raises():
   with pytest.raises(NotImplementedError, match="one feature axis"):
-    BatchNorm(axis=(1, 2)).init(jax.random.key(0), jnp.ones((2, 3, 4)),
-                                use_running_average=False)
+    BatchNorm(axis=(1, 2)).init(jax.random.key(0), jnp.ones((2, 3, 4)), use_running_average=False)

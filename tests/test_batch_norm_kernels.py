@@ -1,12 +1,12 @@
 """Pallas batch-norm passes: TPU interpret mode vs the jnp reference, and AOT compiles."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kernels import batch_norm as kbn
 from torus_collectives.batch_norm import batch_norm
@@ -29,45 +29,60 @@ def _operands(rows, channels, dtype, seed=0):
   dy = jax.random.normal(kd, (rows, channels)).astype(dtype)
   stats = kbn.stats_reference(x)
   mul = jax.lax.rsqrt(stats[1] / rows + 1e-5) * (1 + 0.1 * jax.random.normal(kc, (channels,)))
-  coef = jnp.stack([stats[0], mul, jnp.linspace(-1, 1, channels),
-                    0.01 * jnp.ones(channels), -0.02 * jnp.ones(channels)])
+  coef = jnp.stack(
+    [
+      stats[0],
+      mul,
+      jnp.linspace(-1, 1, channels),
+      0.01 * jnp.ones(channels),
+      -0.02 * jnp.ones(channels),
+    ]
+  )
   return x, dy, coef
 
 
 # rows, channels, block sizes: one block; ragged row blocks; two channel blocks; folded
 # lanes (C = 32 -> 4 rows per 128 lanes) with a ragged folded block.
 SHAPES = [
-    (64, 128, None),
-    (200, 128, kbn.BlockSizes(block_rows=48, block_channels=128)),
-    (96, 256, kbn.BlockSizes(block_rows=32, block_channels=128)),
-    (352, 32, kbn.BlockSizes(block_rows=32, block_channels=128)),
+  (64, 128, None),
+  (200, 128, kbn.BlockSizes(block_rows=48, block_channels=128)),
+  (96, 256, kbn.BlockSizes(block_rows=32, block_channels=128)),
+  (352, 32, kbn.BlockSizes(block_rows=32, block_channels=128)),
 ]
 
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("rows,channels,block_sizes", SHAPES)
-def test_passes_match_reference_in_interpret_mode(interpret_mode, rows, channels,
-                                                  block_sizes, dtype):
+def test_passes_match_reference_in_interpret_mode(
+  interpret_mode, rows, channels, block_sizes, dtype
+):
   x, dy, coef = _operands(rows, channels, dtype)
-  run = jax.jit(lambda x, dy, coef: (
+  run = jax.jit(
+    lambda x, dy, coef: (
       kbn.stats(x, block_sizes=block_sizes),
       kbn.normalize(x, coef[:3], relu=True, block_sizes=block_sizes),
       kbn.backward_sums(x, dy, coef[:3], relu=True, block_sizes=block_sizes),
-      kbn.backward_dx(x, dy, coef, relu=True, block_sizes=block_sizes)))
+      kbn.backward_dx(x, dy, coef, relu=True, block_sizes=block_sizes),
+    )
+  )
   stats, y, sums, dx = run(x, dy, coef)
   np.testing.assert_allclose(stats[0], kbn.stats_reference(x)[0], rtol=1e-6)
   np.testing.assert_allclose(stats[1], kbn.stats_reference(x)[1], rtol=1e-4)
-  out_tol = dict(rtol=1e-2, atol=1e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5,
-                                                                          atol=1e-5)
-  np.testing.assert_allclose(np.asarray(y, np.float32),
-                             np.asarray(kbn.normalize_reference(x, coef[:3], relu=True),
-                                        np.float32), **out_tol)
+  out_tol = dict(rtol=1e-2, atol=1e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(
-      sums, kbn.backward_sums_reference(x, dy, coef[:3], relu=True), rtol=1e-4, atol=1e-3)
+    np.asarray(y, np.float32),
+    np.asarray(kbn.normalize_reference(x, coef[:3], relu=True), np.float32),
+    **out_tol,
+  )
   np.testing.assert_allclose(
-      np.asarray(dx, np.float32),
-      np.asarray(kbn.backward_dx_reference(x, dy, coef, relu=True), np.float32), **out_tol)
+    sums, kbn.backward_sums_reference(x, dy, coef[:3], relu=True), rtol=1e-4, atol=1e-3
+  )
+  np.testing.assert_allclose(
+    np.asarray(dx, np.float32),
+    np.asarray(kbn.backward_dx_reference(x, dy, coef, relu=True), np.float32),
+    **out_tol,
+  )
 
 
 @pytest.mark.interpret
@@ -80,13 +95,27 @@ def test_pallas_op_matches_xla_op_across_a_group_in_interpret_mode(interpret_mod
   def grads(implementation):
     def body(x, scale, bias):
       def loss(x, scale, bias):
-        y, mean, var = batch_norm(x, scale, bias, axis_name=("x", "y"), group_size=2,
-                                  relu=True, implementation=implementation)
+        y, mean, var = batch_norm(
+          x,
+          scale,
+          bias,
+          axis_name=("x", "y"),
+          group_size=2,
+          relu=True,
+          implementation=implementation,
+        )
         return jnp.sum(y * y * weights), (y, mean[None], var[None])
+
       return jax.grad(loss, (0, 1, 2), has_aux=True)(x, scale, bias)
+
     spec = P(("x", "y"))
-    f = jax.shard_map(body, mesh=mesh, in_specs=(spec, P(), P()),
-                      out_specs=((spec, P(), P()), (spec, spec, spec)), check_vma=False)
+    f = jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=(spec, P(), P()),
+      out_specs=((spec, P(), P()), (spec, spec, spec)),
+      check_vma=False,
+    )
     return jax.jit(f)(x, scale, bias)
 
   for a, b in zip(jax.tree.leaves(grads("pallas")), jax.tree.leaves(grads("xla"))):
@@ -116,32 +145,42 @@ TOPOLOGIES = ["v4:2x2x2", "v5e:4x4", "v5p:2x2x2", "v6e:4x4"]
 def tpu_train_step(topology_name, per_replica_batch, hwc, group_size=2):
   """Compiled forward+backward of the Pallas op, sharded over all chips of a topology."""
   from jax.experimental import topologies
+
   topo = topologies.get_topology_desc(platform="tpu", topology_name=topology_name)
   devices = np.array(topo.devices)
-  mesh = jax.sharding.Mesh(devices.reshape(2, -1), ("x", "y"),
-                           axis_types=(AxisType.Auto,) * 2)
+  mesh = jax.sharding.Mesh(devices.reshape(2, -1), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
   spec = P(("x", "y"))
   channels = hwc[-1]
 
   def step(x, scale, bias):
     def loss(x, scale, bias):
-      y, _, _ = batch_norm(x, scale, bias, axis_name=("x", "y"), group_size=group_size,
-                           relu=True, implementation="pallas")
+      y, _, _ = batch_norm(
+        x,
+        scale,
+        bias,
+        axis_name=("x", "y"),
+        group_size=group_size,
+        relu=True,
+        implementation="pallas",
+      )
       return jnp.sum(y.astype(jnp.float32))
+
     return jax.grad(loss, (0, 1, 2))(x, scale, bias)
 
-  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, P(), P()),
-                            out_specs=(spec, P(), P())))
-  x = jax.ShapeDtypeStruct((per_replica_batch * devices.size, *hwc), jnp.bfloat16,
-                           sharding=NamedSharding(mesh, spec))
+  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, P(), P()), out_specs=(spec, P(), P())))
+  x = jax.ShapeDtypeStruct(
+    (per_replica_batch * devices.size, *hwc), jnp.bfloat16, sharding=NamedSharding(mesh, spec)
+  )
   p = jax.ShapeDtypeStruct((channels,), jnp.float32, sharding=NamedSharding(mesh, P()))
   return f.lower(x, p, p).compile()
 
 
 # Every generation at the largest folded shape; v5e also at the widest and batch 8.
 AOT_CASES = [(t, 32, (56, 56, 64)) for t in TOPOLOGIES] + [
-    ("v5e:4x4", 32, (7, 7, 2048)), ("v5e:4x4", 8, (14, 14, 1024)),
-    ("v5e:4x4", 8, (7, 7, 512))]
+  ("v5e:4x4", 32, (7, 7, 2048)),
+  ("v5e:4x4", 8, (14, 14, 1024)),
+  ("v5e:4x4", 8, (7, 7, 512)),
+]
 
 
 @pytest.mark.aot

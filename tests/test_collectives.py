@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from collective_cases import mesh_of, per_device, small_integers
 from jax import lax
 
 import torus_collectives as tc
-from collective_cases import mesh_of, per_device, small_integers
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.int32]
 AXES = {"xy": ("x", "y"), "yx": ("y", "x"), "x": "x", "y": "y"}
@@ -32,8 +32,9 @@ def _all_ops(axis_name, tiled, impl, dims):
   def fn(x):
     ours, ref = [], []
     for dim in dims["scatter"] if tiled else (0,):
-      ours.append(tc.reduce_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled,
-                                    implementation=impl))
+      ours.append(
+        tc.reduce_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled, implementation=impl)
+      )
       ref.append(lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled))
     for axis in dims["gather"]:
       ours.append(tc.all_gather(x, axis_name, axis=axis, tiled=tiled, implementation=impl))
@@ -58,8 +59,13 @@ def _local_shape(n, tiled):
 # Every mesh with the torus tuple in its natural order; both orders and the single axes
 # where the two axes differ in size; "auto" (lax on CPU) once.
 CASES = [("2x4", a, "shard_map") for a in AXES] + [
-    ("4x2", "xy", "shard_map"), ("4x2", "yx", "shard_map"), ("1x8", "xy", "shard_map"),
-    ("8x1", "yx", "shard_map"), ("2x2", "xy", "shard_map"), ("2x4", "xy", "auto")]
+  ("4x2", "xy", "shard_map"),
+  ("4x2", "yx", "shard_map"),
+  ("1x8", "xy", "shard_map"),
+  ("8x1", "yx", "shard_map"),
+  ("2x2", "xy", "shard_map"),
+  ("2x4", "xy", "auto"),
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -78,16 +84,19 @@ def test_exact_against_lax(mesh_name, axes, dtype, impl):
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
-@pytest.mark.parametrize("dtype,eps", [(jnp.float32, 2.0**-23), (jnp.bfloat16, 2.0**-8)],
-                         ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+  "dtype,eps", [(jnp.float32, 2.0**-23), (jnp.bfloat16, 2.0**-8)], ids=["f32", "bf16"]
+)
 def test_random_floats_within_rounding_bound(dtype, eps, check_vma):
   """|ours - exact| <= p * eps * sum_i |x_i|: at most p roundings of partial sums."""
   mesh = mesh_of("2x4")
   p = mesh.size
   x = np.random.default_rng(1).standard_normal((p, 4 * p, 33)).astype(np.float32)
   x = np.asarray(jnp.asarray(x, dtype), np.float64)  # exact values of the inputs
-  fn = lambda v: (tc.all_reduce(v, ("x", "y"), implementation="shard_map"),
-                  tc.reduce_scatter(v, ("x", "y"), tiled=True, implementation="shard_map"))
+  fn = lambda v: (
+    tc.all_reduce(v, ("x", "y"), implementation="shard_map"),
+    tc.reduce_scatter(v, ("x", "y"), tiled=True, implementation="shard_map"),
+  )
   summed, scattered = per_device(fn, mesh, jnp.asarray(x, dtype), check_vma=check_vma)
   exact = x.sum(0)
   bound = p * eps * np.abs(x).sum(0)
@@ -108,16 +117,24 @@ def test_gradients_match_lax(op, check_vma):
   def loss(x, ours):
     def body(x, w):
       if op == "reduce_scatter":
-        out = (tc.reduce_scatter(x, axis_name, tiled=True, implementation="shard_map")
-               if ours else lax.psum_scatter(x, axis_name, tiled=True))
+        out = (
+          tc.reduce_scatter(x, axis_name, tiled=True, implementation="shard_map")
+          if ours
+          else lax.psum_scatter(x, axis_name, tiled=True)
+        )
         return jnp.sum(out * w[: out.shape[0]])
       if op == "all_gather":
-        out = (tc.all_gather(x, axis_name, tiled=True, implementation="shard_map")
-               if ours else lax.all_gather(x, axis_name, tiled=True))
+        out = (
+          tc.all_gather(x, axis_name, tiled=True, implementation="shard_map")
+          if ours
+          else lax.all_gather(x, axis_name, tiled=True)
+        )
         return jnp.sum(out * jnp.tile(w, (p, 1)))
-      out = (tc.all_reduce(x, axis_name, implementation="shard_map")
-             if ours else lax.psum(x, axis_name))
+      out = (
+        tc.all_reduce(x, axis_name, implementation="shard_map") if ours else lax.psum(x, axis_name)
+      )
       return jnp.sum(out * w)
+
     losses = per_device(lambda a, b: body(a, b), mesh, x, weights, check_vma=check_vma)
     return jnp.sum(losses)
 
@@ -131,8 +148,12 @@ def test_all_reduce_result_is_invariant_under_check_vma():
   mesh = mesh_of("2x4")
   x = jnp.asarray(small_integers((8, 6), np.float32))
   spec = jax.P(("x", "y"))
-  f = jax.shard_map(lambda v: tc.all_reduce(v, ("x", "y"), implementation="shard_map"),
-                    mesh=mesh, in_specs=spec, out_specs=jax.P())
+  f = jax.shard_map(
+    lambda v: tc.all_reduce(v, ("x", "y"), implementation="shard_map"),
+    mesh=mesh,
+    in_specs=spec,
+    out_specs=jax.P(),
+  )
   np.testing.assert_array_equal(np.asarray(jax.jit(f)(x)), np.asarray(x).sum(0, keepdims=True))
 
 

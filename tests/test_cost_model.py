@@ -11,14 +11,19 @@ from torus_collectives import schedule as schedule_lib
 V5E = cm.GENERATIONS["v5e"]
 NO_LATENCY = dataclasses.replace(V5E, hop_latency=0.0)
 COLLECTIVES = ("reduce_scatter", "all_gather", "all_reduce")
-CASES = [((8,), "ring"), ((8,), "bidirectional_ring"), ((2, 4), "torus_2d"),
-         ((2, 4), "torus_2d_split"), ((4, 4), "torus_2d_split"), ((3, 5), "torus_2d_split")]
+CASES = [
+  ((8,), "ring"),
+  ((8,), "bidirectional_ring"),
+  ((2, 4), "torus_2d"),
+  ((2, 4), "torus_2d_split"),
+  ((4, 4), "torus_2d_split"),
+  ((3, 5), "torus_2d_split"),
+]
 
 
 def _simulated_link_bytes(sched, itemsize, m):
   torus = sched.torus
-  buffers = np.arange(np.prod(torus) ** 2 * m, dtype=np.float64).reshape(
-      torus + torus + (m,))
+  buffers = np.arange(np.prod(torus) ** 2 * m, dtype=np.float64).reshape(torus + torus + (m,))
   _, elements = schedule_lib.simulate(sched, buffers)
   return {key: count * itemsize for key, count in elements.items()}
 
@@ -68,11 +73,13 @@ def test_split_halves_meets_the_bandwidth_bound_on_square_tori(n, collective):
   assert plain.time_s == pytest.approx(4 * pred.bound_s, rel=1e-12)
 
 
-@pytest.mark.parametrize("name,torus,factor", [("v3", (32, 32), 1.25), ("v5e", (16, 16), 1.1),
-                                                ("v6e", (16, 16), 1.15)])
+@pytest.mark.parametrize(
+  "name,torus,factor", [("v3", (32, 32), 1.25), ("v5e", (16, 16), 1.1), ("v6e", (16, 16), 1.15)]
+)
 def test_split_halves_within_stated_factor_for_resnet50(name, torus, factor):
-  pred = cm.predict("all_reduce", torus, "torus_2d_split", cm.RESNET50_PARAMS * 4,
-                    cm.GENERATIONS[name])
+  pred = cm.predict(
+    "all_reduce", torus, "torus_2d_split", cm.RESNET50_PARAMS * 4, cm.GENERATIONS[name]
+  )
   assert 1.0 < pred.ratio_to_bound < factor
   assert pred.latency_s == pytest.approx(2 * (2 * torus[0] - 2) * 1e-6)
 
@@ -112,10 +119,13 @@ def test_time_grows_with_size_and_chips_and_falls_with_bandwidth():
 
 
 def test_ranking_on_the_paper_pod():
-  times = {v.value: cm.predict("all_reduce", (32, 32), v, cm.RESNET50_PARAMS * 4,
-                               cm.GENERATIONS["v3"]).time_s for v in schedule_lib.Variant}
-  assert (times["torus_2d_split"] < times["torus_2d"] < times["bidirectional_ring"]
-          < times["ring"])
+  times = {
+    v.value: cm.predict(
+      "all_reduce", (32, 32), v, cm.RESNET50_PARAMS * 4, cm.GENERATIONS["v3"]
+    ).time_s
+    for v in schedule_lib.Variant
+  }
+  assert times["torus_2d_split"] < times["torus_2d"] < times["bidirectional_ring"] < times["ring"]
 
 
 def test_predict_rejects_a_3d_torus():

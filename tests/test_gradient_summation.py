@@ -4,16 +4,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from collective_cases import mesh_of, per_device, sharded, small_integers
 from jax import lax
 
 import torus_collectives as tc
-from collective_cases import mesh_of, per_device, sharded, small_integers
 
 
 def _tree(seed, dtype=jnp.float32):
-  return {"w": jnp.asarray(small_integers((8, 5, 3), np.float32, seed), dtype),
-          "b": jnp.asarray(small_integers((8, 7), np.float32, seed + 1), dtype),
-          "layers": [jnp.asarray(small_integers((8, 2, 2), np.float32, seed + 2), dtype)]}
+  return {
+    "w": jnp.asarray(small_integers((8, 5, 3), np.float32, seed), dtype),
+    "b": jnp.asarray(small_integers((8, 7), np.float32, seed + 1), dtype),
+    "layers": [jnp.asarray(small_integers((8, 2, 2), np.float32, seed + 2), dtype)],
+  }
 
 
 @pytest.mark.parametrize("bucket_bytes", [16, 10**6])  # one leaf per bucket / one bucket
@@ -23,8 +25,9 @@ def test_matches_psum(bucket_bytes, mean):
   tree = _tree(0)
 
   def fn(t):
-    ours = tc.all_reduce_gradients(t, ("x", "y"), mean=mean, bucket_bytes=bucket_bytes,
-                                   implementation="shard_map")
+    ours = tc.all_reduce_gradients(
+      t, ("x", "y"), mean=mean, bucket_bytes=bucket_bytes, implementation="shard_map"
+    )
     ref = jax.tree.map(lambda g: (lax.pmean if mean else lax.psum)(g, ("x", "y")), t)
     return ours, ref
 
@@ -36,9 +39,9 @@ def test_matches_psum(bucket_bytes, mean):
 def test_bf16_transport_keeps_dtypes_and_sums_exactly_on_small_integers():
   mesh = mesh_of("2x4")
   tree = _tree(5)
-  fn = lambda t: tc.all_reduce_gradients(t, ("x", "y"), mean=False,
-                                         transport_dtype=jnp.bfloat16,
-                                         implementation="shard_map")
+  fn = lambda t: tc.all_reduce_gradients(
+    t, ("x", "y"), mean=False, transport_dtype=jnp.bfloat16, implementation="shard_map"
+  )
   out = per_device(fn, mesh, tree)
   for o, leaf in zip(jax.tree.leaves(out), jax.tree.leaves(tree)):
     assert o.dtype == jnp.float32
@@ -51,8 +54,10 @@ def test_data_parallel_sgd_tracks_psum():
   rng = np.random.default_rng(0)
   data = jnp.asarray(rng.standard_normal((8, 16, 4)), jnp.float32)
   labels = jnp.asarray(rng.standard_normal((8, 16, 1)), jnp.float32)
-  params = {"w1": jnp.asarray(rng.standard_normal((4, 8)) * 0.3, jnp.float32),
-            "w2": jnp.asarray(rng.standard_normal((8, 1)) * 0.3, jnp.float32)}
+  params = {
+    "w1": jnp.asarray(rng.standard_normal((4, 8)) * 0.3, jnp.float32),
+    "w2": jnp.asarray(rng.standard_normal((8, 1)) * 0.3, jnp.float32),
+  }
 
   def local_loss(p, x, y):
     return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
@@ -60,8 +65,11 @@ def test_data_parallel_sgd_tracks_psum():
   def train(params, ours):
     def step(p, x, y):
       g = jax.grad(local_loss)(p, x, y)
-      g = (tc.all_reduce_gradients(g, ("x", "y"), implementation="shard_map") if ours
-           else jax.tree.map(lambda v: lax.pmean(v, ("x", "y")), g))
+      g = (
+        tc.all_reduce_gradients(g, ("x", "y"), implementation="shard_map")
+        if ours
+        else jax.tree.map(lambda v: lax.pmean(v, ("x", "y")), g)
+      )
       return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
 
     replicated = jax.tree.map(lambda v: jnp.broadcast_to(v, (8,) + v.shape), params)

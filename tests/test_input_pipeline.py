@@ -6,8 +6,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from resnet import data_sources
-from resnet import input_pipeline
+from resnet import data_sources, input_pipeline
 
 PRE = input_pipeline.Preprocessing(image_size=8, random_flip=True)
 
@@ -22,19 +21,18 @@ def folder(tmp_path):
   for cls, values in (('a', (10, 20, 30)), ('b', (200, 210))):
     (tmp_path / 'train' / cls).mkdir(parents=True)
     for v in values:
-      (tmp_path / 'train' / cls / f'{v}.jpg').write_bytes(
-          tf.io.encode_jpeg(_image(v)).numpy())
+      (tmp_path / 'train' / cls / f'{v}.jpg').write_bytes(tf.io.encode_jpeg(_image(v)).numpy())
   (tmp_path / 'train' / 'a' / 'png.png').write_bytes(tf.io.encode_png(_image(40)).numpy())
   (tmp_path / 'train' / 'b' / 'bad.jpg').write_bytes(b'\xff\xd8\xff\xe0' + b'junk' * 50)
   return tmp_path
 
 
 def test_corrupt_jpeg_is_skipped_and_counted(folder):
-  split = data_sources.folder_split(folder, 'train', process_index=0, process_count=1,
-                                    block=1)
+  split = data_sources.folder_split(folder, 'train', process_index=0, process_count=1, block=1)
   assert split.num_examples == 7
-  batches = input_pipeline.train_dataset(split, PRE, local_batch=1, seed=0,
-                                         shuffle_buffer=0).take(12)
+  batches = input_pipeline.train_dataset(split, PRE, local_batch=1, seed=0, shuffle_buffer=0).take(
+    12
+  )
   labels, skipped = [], []
   for b in batches.as_numpy_iterator():
     assert b['image'].shape == (1, 8, 8, 3) and np.isfinite(b['image']).all()
@@ -46,8 +44,7 @@ def test_corrupt_jpeg_is_skipped_and_counted(folder):
 
 
 def test_eval_keeps_every_readable_image_and_pads(folder):
-  split = data_sources.folder_split(folder, 'train', process_index=0, process_count=1,
-                                    block=4)
+  split = data_sources.folder_split(folder, 'train', process_index=0, process_count=1, block=4)
   ds, steps = input_pipeline.eval_dataset(split, PRE, local_batch=4, global_batch=4)
   batches = list(ds.as_numpy_iterator())
   assert steps == len(batches) == 2
@@ -57,8 +54,7 @@ def test_eval_keeps_every_readable_image_and_pads(folder):
 
 
 def test_png_and_jpeg_decode_to_their_pixels(folder):
-  split = data_sources.folder_split(folder, 'train', process_index=0, process_count=1,
-                                    block=1)
+  split = data_sources.folder_split(folder, 'train', process_index=0, process_count=1, block=1)
   for record in split.dataset.as_numpy_iterator():
     if record['image'].startswith(b'\xff\xd8\xff\xe0junk'):
       continue
@@ -70,10 +66,11 @@ def test_png_and_jpeg_decode_to_their_pixels(folder):
 
 
 def test_block_sharding_partitions_global_batches(folder):
-  shards = [data_sources.folder_split(folder, 'train', process_index=p, process_count=2,
-                                      block=2) for p in range(2)]
-  single = data_sources.folder_split(folder, 'train', process_index=0, process_count=1,
-                                     block=4)
+  shards = [
+    data_sources.folder_split(folder, 'train', process_index=p, process_count=2, block=2)
+    for p in range(2)
+  ]
+  single = data_sources.folder_split(folder, 'train', process_index=0, process_count=1, block=4)
   ids = [[int(r['id']) for r in s.dataset.as_numpy_iterator()] for s in shards]
   everything = [int(r['id']) for r in single.dataset.as_numpy_iterator()]
   # Global batch k of 4 = process 0's k-th block of 2, then process 1's.
@@ -83,18 +80,19 @@ def test_block_sharding_partitions_global_batches(folder):
 
 def test_missing_folder_says_where_to_put_images(tmp_path):
   with pytest.raises(FileNotFoundError, match='one folder per class'):
-    data_sources.folder_split(tmp_path, 'train', process_index=0, process_count=1,
-                              block=1)
+    data_sources.folder_split(tmp_path, 'train', process_index=0, process_count=1, block=1)
 
 
 def test_imagenet2012_path_with_mock_data(tmp_path):
   with tfds.testing.mock_data(num_examples=8):
-    split = data_sources.imagenet_split(str(tmp_path), 'train', process_index=1,
-                                        process_count=2)
+    split = data_sources.imagenet_split(str(tmp_path), 'train', process_index=1, process_count=2)
     assert split.num_classes == 1000
     assert split.num_examples == split.total_examples == 8  # mock data ignores the split
-    batch = next(input_pipeline.train_dataset(
-        split, PRE, local_batch=4, seed=0, shuffle_buffer=8).as_numpy_iterator())
+    batch = next(
+      input_pipeline.train_dataset(
+        split, PRE, local_batch=4, seed=0, shuffle_buffer=8
+      ).as_numpy_iterator()
+    )
   assert batch['image'].shape == (4, 8, 8, 3)
   assert ((0 <= batch['label']) & (batch['label'] < 1000)).all()
   assert batch['skipped'].max() == 0

@@ -17,12 +17,15 @@ pytestmark = pytest.mark.aot
 MOSAIC = "tpu_custom_call"
 
 
-@pytest.mark.parametrize("topology,dtype", [
+@pytest.mark.parametrize(
+  "topology,dtype",
+  [
     ("v4:2x2x2", jnp.float32),
     ("v5e:4x4", jnp.bfloat16),
     ("v5p:2x2x2", jnp.int32),
     ("v6e:4x4", jnp.float32),
-])
+  ],
+)
 def test_all_reduce_compiles_small(topology, dtype):
   """Both kernels (reduce-scatter, then all-gather) on the split 2-D torus, odd size."""
   mesh = aot_report.topology_mesh(topology)
@@ -33,8 +36,7 @@ def test_all_reduce_compiles_small(topology, dtype):
 def test_ring_on_one_axis_compiles():
   """The bidirectional ring along one axis of a 2-D mesh (the other axis in device ids)."""
   mesh = aot_report.topology_mesh("v5e:4x4")
-  compiled = aot_report.lower_all_reduce(
-      mesh, 4096, jnp.float32, "pallas", axes=("y",)).compile()
+  compiled = aot_report.lower_all_reduce(mesh, 4096, jnp.float32, "pallas", axes=("y",)).compile()
   assert compiled.as_text().count(MOSAIC) >= 2
 
 
@@ -42,18 +44,19 @@ def test_ring_on_one_axis_compiles():
 def test_resnet50_gradient_compiles(dtype):
   mesh = aot_report.topology_mesh("v5e:4x4")
   compiled = aot_report.lower_all_reduce(
-      mesh, aot_report.RESNET50_PARAMETERS, dtype, "pallas").compile()
+    mesh, aot_report.RESNET50_PARAMETERS, dtype, "pallas"
+  ).compile()
   assert compiled.as_text().count(MOSAIC) >= 2
 
 
 def test_auto_uses_pallas_on_v5e_and_the_fallback_on_v3():
   for topology, uses_pallas in (("v5e:4x4", True), ("v3:4x4", False)):
     lowered = aot_report.lower_all_reduce(
-        aot_report.topology_mesh(topology), 1024, jnp.float32, "auto")
+      aot_report.topology_mesh(topology), 1024, jnp.float32, "auto"
+    )
     assert (MOSAIC in lowered.as_text()) == uses_pallas, topology
 
 
 def test_pallas_on_v3_is_refused_before_compiling():
   with pytest.raises(NotImplementedError, match="TPU v3"):
-    aot_report.lower_all_reduce(
-        aot_report.topology_mesh("v3:4x4"), 1024, jnp.float32, "pallas")
+    aot_report.lower_all_reduce(aot_report.topology_mesh("v3:4x4"), 1024, jnp.float32, "pallas")

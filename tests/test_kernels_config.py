@@ -13,8 +13,10 @@ def test_block_rows_must_be_a_positive_multiple_of_16(block_rows):
 
 
 @pytest.mark.parametrize("rows", [1, 15, 16, 17, 1000, 3120, 100_000])
-@pytest.mark.parametrize("kind,vmem_budget", [
-    ("TPU v5 lite", 2 << 20), ("TPU v6 lite", 4 << 20), ("an unknown kind", 2 << 20)])
+@pytest.mark.parametrize(
+  "kind,vmem_budget",
+  [("TPU v5 lite", 2 << 20), ("TPU v6 lite", 4 << 20), ("an unknown kind", 2 << 20)],
+)
 def test_default_blocks_fit_vmem_and_pad_little(rows, kind, vmem_budget):
   cfg = config_lib.default_config(rows, 4, kind)
   blocks = -(-rows // cfg.block_rows)
@@ -27,7 +29,8 @@ def test_all_reduce_schedule_is_reduce_scatter_then_all_gather(torus):
   """The kernels run an all-reduce as the reduce-scatter kernel then the all-gather kernel;
   that is the all-reduce schedule exactly."""
   variant = schedule.default_variant(torus)
-  rs, ag, ar = (schedule.build(c, torus, variant)
-                for c in ("reduce_scatter", "all_gather", "all_reduce"))
+  rs, ag, ar = (
+    schedule.build(c, torus, variant) for c in ("reduce_scatter", "all_gather", "all_reduce")
+  )
   assert ar.streams == tuple(r + a for r, a in zip(rs.streams, ag.streams))
   assert ar.steps() == rs.steps() + ag.steps()

@@ -16,12 +16,13 @@ import pytest
 from jax import lax
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
-from torus_collectives import backends
-from kernels import torus_config as config_lib
 from kernels import torus_collectives as kernels
+from kernels import torus_config as config_lib
+from torus_collectives import backends
 
 pytestmark = pytest.mark.interpret
 
@@ -36,7 +37,8 @@ MULTI_BLOCK_CHUNK = 4 * 2 * 16 * 128 - 77
 def interpreted(mode: str, fn, *args):
   """``fn(*args)`` traced and run in TPU interpret mode, checked for races."""
   params = pltpu.InterpretParams(
-      dma_execution_mode=mode, detect_races=True, uninitialized_memory="nan")
+    dma_execution_mode=mode, detect_races=True, uninitialized_memory="nan"
+  )
   try:
     with pltpu.force_tpu_interpret_mode(params):
       out = jax.block_until_ready(fn(*args))
@@ -53,9 +55,11 @@ def _mesh(shape):
 
 def _per_device(fn, mesh, axes, *, check_vma=False):
   """Runs ``fn`` on each device's row of an ``(8, k)`` array."""
-  return jax.jit(jax.shard_map(
-      lambda v: fn(v[0])[None], mesh=mesh, in_specs=P(AXES), out_specs=P(AXES),
-      check_vma=check_vma))
+  return jax.jit(
+    jax.shard_map(
+      lambda v: fn(v[0])[None], mesh=mesh, in_specs=P(AXES), out_specs=P(AXES), check_vma=check_vma
+    )
+  )
 
 
 def _inputs(dtype, shape, integers: bool):
@@ -66,34 +70,35 @@ def _inputs(dtype, shape, integers: bool):
 
 
 LAX = {
-    "reduce_scatter": lambda axes: lambda v: lax.psum_scatter(v, axes, tiled=True),
-    "all_gather": lambda axes: lambda v: lax.all_gather(v, axes, tiled=True),
-    "all_reduce": lambda axes: lambda v: lax.psum(v, axes),
+  "reduce_scatter": lambda axes: lambda v: lax.psum_scatter(v, axes, tiled=True),
+  "all_gather": lambda axes: lambda v: lax.all_gather(v, axes, tiled=True),
+  "all_reduce": lambda axes: lambda v: lax.psum(v, axes),
 }
 INPUT_ELEMENTS = {  # per device, for a chunk of m elements on p devices
-    "reduce_scatter": lambda p, m: p * m,
-    "all_gather": lambda p, m: m,
-    "all_reduce": lambda p, m: p * m - 5,
+  "reduce_scatter": lambda p, m: p * m,
+  "all_gather": lambda p, m: m,
+  "all_reduce": lambda p, m: p * m - 5,
 }
 
 
 # (collective, mesh shape, axes, dtype, integer inputs, chunk elements, DMA mode)
 CASES = [
-    ("all_reduce", (2, 4), AXES, jnp.int32, True, MULTI_BLOCK_CHUNK, "on_wait"),
-    ("all_reduce", (2, 4), AXES, jnp.bfloat16, False, 300, "on_wait"),
-    ("all_reduce", (2, 4), ("y",), jnp.float32, True, 300, "eager"),
-    ("reduce_scatter", (4, 2), AXES, jnp.float32, False, MULTI_BLOCK_CHUNK, "on_wait"),
-    ("reduce_scatter", (1, 8), AXES, jnp.bfloat16, True, 300, "eager"),
-    ("all_gather", (4, 2), AXES, jnp.bfloat16, False, 300, "eager"),
-    ("all_gather", (1, 8), AXES, jnp.int32, True, 300, "on_wait"),
-    ("all_gather", (8, 1), AXES, jnp.float16, True, 300, "eager"),
+  ("all_reduce", (2, 4), AXES, jnp.int32, True, MULTI_BLOCK_CHUNK, "on_wait"),
+  ("all_reduce", (2, 4), AXES, jnp.bfloat16, False, 300, "on_wait"),
+  ("all_reduce", (2, 4), ("y",), jnp.float32, True, 300, "eager"),
+  ("reduce_scatter", (4, 2), AXES, jnp.float32, False, MULTI_BLOCK_CHUNK, "on_wait"),
+  ("reduce_scatter", (1, 8), AXES, jnp.bfloat16, True, 300, "eager"),
+  ("all_gather", (4, 2), AXES, jnp.bfloat16, False, 300, "eager"),
+  ("all_gather", (1, 8), AXES, jnp.int32, True, 300, "on_wait"),
+  ("all_gather", (8, 1), AXES, jnp.float16, True, 300, "eager"),
 ]
 
 
 @pytest.mark.parametrize(
-    "collective,shape,axes,dtype,integers,chunk,mode", CASES,
-    ids=[f"{c[0]}-{c[1][0]}x{c[1][1]}-{'.'.join(c[2])}-{jnp.dtype(c[3]).name}-{c[6]}"
-         for c in CASES])
+  "collective,shape,axes,dtype,integers,chunk,mode",
+  CASES,
+  ids=[f"{c[0]}-{c[1][0]}x{c[1][1]}-{'.'.join(c[2])}-{jnp.dtype(c[3]).name}-{c[6]}" for c in CASES],
+)
 def test_kernel_matches_lax(collective, shape, axes, dtype, integers, chunk, mode):
   mesh = _mesh(shape)
   torus = tuple(mesh.shape[a] for a in axes)
@@ -102,14 +107,15 @@ def test_kernel_matches_lax(collective, shape, axes, dtype, integers, chunk, mod
   want = _per_device(LAX[collective](axes), mesh, axes)(x)
   ours = getattr(kernels, collective)
   got = interpreted(
-      mode, _per_device(lambda v: ours(v, axes, torus, config=SMALL_BLOCKS), mesh, axes), x)
+    mode, _per_device(lambda v: ours(v, axes, torus, config=SMALL_BLOCKS), mesh, axes), x
+  )
   got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
   assert not np.isnan(got).any()
   if integers or collective == "all_gather":
     np.testing.assert_array_equal(got, want)
   elif dtype == jnp.bfloat16:
     # Both sum in float32 and round once, in different orders: at most a few bf16 ulps.
-    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=2 ** -7 * np.sqrt(p))
+    np.testing.assert_allclose(got, want, rtol=2**-7, atol=2**-7 * np.sqrt(p))
   else:
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
 
@@ -126,8 +132,8 @@ def test_public_api_forward_and_gradient():
     def per_device(v, u):
       out = tc.reduce_scatter(v[0], AXES, tiled=True, implementation=impl)
       return jnp.sum(out * u[0])[None]
-    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P(AXES), P(AXES)),
-                            out_specs=P(AXES))
+
+    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P(AXES), P(AXES)), out_specs=P(AXES))
     return jax.jit(jax.value_and_grad(lambda v, u: sharded(v, u).sum()))
 
   want = loss("xla")(x, w)

@@ -19,11 +19,16 @@ MARKER = "4x4 all-reduce matches lax"
 @pytest.mark.interpret
 @pytest.mark.slow
 def test_all_reduce_on_a_4x4_torus():
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=16")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=16")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  result = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
+  result = subprocess.run(
+    [sys.executable, os.path.abspath(__file__)],
+    env=env,
+    cwd=root,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert result.returncode == 0 and MARKER in result.stdout, result.stderr[-3000:]
 
 
@@ -35,7 +40,8 @@ def _main() -> None:
   from jax import lax
   from jax._src.pallas.mosaic.interpret import interpret_pallas_call
   from jax.experimental.pallas import tpu as pltpu
-  from jax.sharding import AxisType, PartitionSpec as P
+  from jax.sharding import AxisType
+  from jax.sharding import PartitionSpec as P
 
   from kernels import torus_collectives as kernels
   from kernels import torus_config
@@ -48,16 +54,21 @@ def _main() -> None:
   x = jnp.asarray(np.random.default_rng(0).integers(-8, 8, size=(16, n)), jnp.int32)
 
   def per_device(fn):
-    return jax.jit(jax.shard_map(lambda v: fn(v[0])[None], mesh=mesh, in_specs=spec,
-                                 out_specs=spec, check_vma=False))
+    return jax.jit(
+      jax.shard_map(
+        lambda v: fn(v[0])[None], mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False
+      )
+    )
 
   want = per_device(lambda v: lax.psum(v, axes))(x)
   config = torus_config.KernelConfig(block_rows=16)
   params = pltpu.InterpretParams(
-      dma_execution_mode="eager", detect_races=True, uninitialized_memory="nan")
+    dma_execution_mode="eager", detect_races=True, uninitialized_memory="nan"
+  )
   with pltpu.force_tpu_interpret_mode(params):
     got = jax.block_until_ready(
-        per_device(lambda v: kernels.all_reduce(v, axes, (4, 4), config=config))(x))
+      per_device(lambda v: kernels.all_reduce(v, axes, (4, 4), config=config))(x)
+    )
   assert not interpret_pallas_call.races.races_found
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   print(MARKER)

@@ -22,9 +22,16 @@ def _free_port() -> int:
 def test_two_processes_match_lax():
   port = _free_port()
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, str(WORKER), str(port), str(i)],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   outputs = []
   try:
     for proc in procs:

@@ -7,16 +7,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from resnet import models
-from resnet import optim
+from resnet import models, optim
 
 LR, TRUST, WD = 0.5, 0.01, 1e-2
 
 
 def _params():
-  return {'conv': {'kernel': jnp.full((3, 3, 2, 4), 2.0)},
-          'bn': {'scale': jnp.full((4,), 3.0), 'bias': jnp.full((4,), -1.0)},
-          'dense': {'kernel': jnp.full((4, 5), 0.5), 'bias': jnp.full((5,), 4.0)}}
+  return {
+    'conv': {'kernel': jnp.full((3, 3, 2, 4), 2.0)},
+    'bn': {'scale': jnp.full((4,), 3.0), 'bias': jnp.full((4,), -1.0)},
+    'dense': {'kernel': jnp.full((4, 5), 0.5), 'bias': jnp.full((5,), 4.0)},
+  }
 
 
 def test_kernel_mask_selects_only_kernels_of_a_resnet():
@@ -32,8 +33,9 @@ def test_kernel_mask_selects_only_kernels_of_a_resnet():
 def test_lars_scales_kernels_and_leaves_bn_and_biases_to_plain_sgd():
   params = _params()
   grads = jax.tree.map(lambda p: jnp.full_like(p, 0.25), params)
-  tx = optim.lars(optax.constant_schedule(LR), weight_decay=WD, momentum=0.9,
-                  trust_coefficient=TRUST, eps=0.0)
+  tx = optim.lars(
+    optax.constant_schedule(LR), weight_decay=WD, momentum=0.9, trust_coefficient=TRUST, eps=0.0
+  )
   updates, _ = tx.update(grads, tx.init(params), params)
   for name in ('bn', 'dense'):
     for leaf in ('scale', 'bias'):
@@ -48,8 +50,13 @@ def test_lars_scales_kernels_and_leaves_bn_and_biases_to_plain_sgd():
 
 def test_schedule_warms_up_linearly_then_decays_to_the_end_rate():
   schedule = optim.learning_rate_schedule(
-      base_learning_rate=2.0, global_batch=512, warmup_steps=10, total_steps=30,
-      end_learning_rate=0.01, power=2.0)
+    base_learning_rate=2.0,
+    global_batch=512,
+    warmup_steps=10,
+    total_steps=30,
+    end_learning_rate=0.01,
+    power=2.0,
+  )
   np.testing.assert_allclose([schedule(0), schedule(5), schedule(10)], [0.0, 2.0, 4.0])
   np.testing.assert_allclose(schedule(20), 0.01 + (4.0 - 0.01) * 0.25, rtol=1e-6)
   np.testing.assert_allclose(schedule(30), 0.01, rtol=1e-6)

@@ -15,16 +15,23 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from resnet import data_sources
-from resnet import input_pipeline
-from resnet import train
+from resnet import data_sources, input_pipeline, train
 from resnet.configs import default
 
 TOTAL_STEPS = 4
 REPO = pathlib.Path(__file__).resolve().parents[1]
-TINY = dict(model='resnet_tiny', image_size=16, global_batch_size=32, eval_batch_size=64,
-            num_train_steps=TOTAL_STEPS, warmup_epochs=0.05, log_every_steps=1,
-            checkpoint_every_steps=2, eval_every_epochs=0.1, shuffle_buffer=0)
+TINY = dict(
+  model='resnet_tiny',
+  image_size=16,
+  global_batch_size=32,
+  eval_batch_size=64,
+  num_train_steps=TOTAL_STEPS,
+  warmup_epochs=0.05,
+  log_every_steps=1,
+  checkpoint_every_steps=2,
+  eval_every_epochs=0.1,
+  shuffle_buffer=0,
+)
 
 
 def tiny_config(data_dir, **overrides):
@@ -70,8 +77,7 @@ def test_end_to_end_writes_checkpoints_metrics_and_plot(full_run):
   assert all(np.isfinite(list(losses.values())))
 
 
-def test_sigterm_checkpoints_and_resume_is_bitwise_equal(full_run, data_dir, tmp_path,
-                                                         monkeypatch):
+def test_sigterm_checkpoints_and_resume_is_bitwise_equal(full_run, data_dir, tmp_path, monkeypatch):
   interrupt_after = 1
   real_prefetch = input_pipeline.device_prefetch
 
@@ -93,8 +99,9 @@ def test_sigterm_checkpoints_and_resume_is_bitwise_equal(full_run, data_dir, tmp
   expected, actual = _final_state(full_run[0]), _final_state(tmp_path)
   jax.tree.map(np.testing.assert_array_equal, expected, actual)
   # Each step logged once: the second run continued where the first stopped.
-  steps = [json.loads(line)['step']
-           for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  steps = [
+    json.loads(line)['step'] for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()
+  ]
   assert steps == list(range(1, TOTAL_STEPS + 1))
   assert _losses(tmp_path) == _losses(full_run[0])
 
@@ -109,15 +116,35 @@ def _free_port():
 def test_two_processes_match_one(full_run, data_dir, tmp_path):
   port = _free_port()
   flags = [f'--config.{k}={v}' for k, v in TINY.items()]
-  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='',
-             PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get('PYTHONPATH', '')]))
-  procs = [subprocess.Popen(
-      [sys.executable, '-m', 'resnet', f'--config={REPO}/resnet/configs/default.py',
-       f'--workdir={tmp_path}', f'--config.data_dir={data_dir}',
-       '--config.simulated_cpu_devices=4', f'--coordinator_address=127.0.0.1:{port}',
-       '--num_processes=2', f'--process_id={i}', *flags],
-      env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS='cpu',
+    XLA_FLAGS='',
+    PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get('PYTHONPATH', '')]),
+  )
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        '-m',
+        'resnet',
+        f'--config={REPO}/resnet/configs/default.py',
+        f'--workdir={tmp_path}',
+        f'--config.data_dir={data_dir}',
+        '--config.simulated_cpu_devices=4',
+        f'--coordinator_address=127.0.0.1:{port}',
+        '--num_processes=2',
+        f'--process_id={i}',
+        *flags,
+      ],
+      env=env,
+      cwd=REPO,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   try:
     outputs = [p.communicate(timeout=300)[0] for p in procs]
   finally:
@@ -130,13 +157,11 @@ def test_two_processes_match_one(full_run, data_dir, tmp_path):
   np.testing.assert_allclose([two[k] for k in one], list(one.values()), rtol=1e-5)
 
 
-def test_non_finite_metrics_stop_and_keep_the_last_good_checkpoint(full_run, data_dir,
-                                                                    tmp_path):
+def test_non_finite_metrics_stop_and_keep_the_last_good_checkpoint(full_run, data_dir, tmp_path):
   workdir = tmp_path / 'run'
   shutil.copytree(full_run[0], workdir)
   # Resuming at step 4 of 6 with a NaN learning rate poisons step 5's metrics.
-  config = tiny_config(data_dir, num_train_steps=TOTAL_STEPS + 2,
-                       base_learning_rate=float('nan'))
+  config = tiny_config(data_dir, num_train_steps=TOTAL_STEPS + 2, base_learning_rate=float('nan'))
   with pytest.raises(FloatingPointError, match=r'last good checkpoint \(step 4\) is kept'):
     train.train_and_evaluate(config, str(workdir))
   with ocp.CheckpointManager(workdir / 'checkpoints') as manager:

@@ -4,7 +4,8 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from torus_collectives import schedule as S
 
@@ -46,9 +47,13 @@ def _check(collective, torus, variant, seed):
 
 
 @settings(max_examples=40, deadline=None)
-@given(x=st.integers(1, 6), y=st.integers(1, 6), seed=st.integers(0, 2**16),
-       variant=st.sampled_from(TWO_D),
-       collective=st.sampled_from(["all_reduce", "reduce_scatter", "all_gather"]))
+@given(
+  x=st.integers(1, 6),
+  y=st.integers(1, 6),
+  seed=st.integers(0, 2**16),
+  variant=st.sampled_from(TWO_D),
+  collective=st.sampled_from(["all_reduce", "reduce_scatter", "all_gather"]),
+)
 def test_two_d_variants_are_exact(x, y, seed, variant, collective):
   sched = _check(collective, (x, y), variant, seed)
   rings = 2 if collective == "all_reduce" else 1
@@ -56,8 +61,12 @@ def test_two_d_variants_are_exact(x, y, seed, variant, collective):
 
 
 @settings(max_examples=30, deadline=None)
-@given(p=st.integers(1, 16), seed=st.integers(0, 2**16), variant=st.sampled_from(ONE_D),
-       collective=st.sampled_from(["all_reduce", "reduce_scatter", "all_gather"]))
+@given(
+  p=st.integers(1, 16),
+  seed=st.integers(0, 2**16),
+  variant=st.sampled_from(ONE_D),
+  collective=st.sampled_from(["all_reduce", "reduce_scatter", "all_gather"]),
+)
 def test_ring_variants_are_exact(p, seed, variant, collective):
   sched = _check(collective, (p,), variant, seed)
   rings = 2 if collective == "all_reduce" else 1

@@ -42,8 +42,10 @@ def _abstract_eval(aval, *, axes):
 mark_invariant_p.def_abstract_eval(_abstract_eval)
 mark_invariant_p.def_impl(lambda x, *, axes: x)
 mlir.register_lowering(mark_invariant_p, mlir.lower_fun(lambda x, *, axes: x, False))
-batching.primitive_batchers[mark_invariant_p] = (
-    lambda args, dims, *, axes: (mark_invariant_p.bind(args[0], axes=axes), dims[0]))
+batching.primitive_batchers[mark_invariant_p] = lambda args, dims, *, axes: (
+  mark_invariant_p.bind(args[0], axes=axes),
+  dims[0],
+)
 
 
 def mark_invariant(x: jax.Array, axes: AxisNames) -> jax.Array:

@@ -23,7 +23,7 @@ caller's ``shard_map`` with ``axes`` bound and ``torus`` their sizes (same order
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +31,7 @@ import jax.numpy as jnp
 IMPLEMENTATIONS = ("auto", "xla", "shard_map", "pallas")
 
 # Dtypes the schedule-based backends sum exactly as lax does (floats in float32 or wider).
-SUPPORTED_DTYPES = tuple(
-    jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32))
+SUPPORTED_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,17 +44,19 @@ class Backend:
 
 def _shard_map_backend() -> Backend:
   from torus_collectives import shard_map_backend as impl
+
   return Backend("shard_map", impl.reduce_scatter, impl.all_gather, impl.all_reduce)
 
 
 def _pallas_backend() -> Backend:
   from kernels import torus_collectives as impl
+
   return Backend("pallas", impl.reduce_scatter, impl.all_gather, impl.all_reduce)
 
 
 _BACKENDS: dict[str, Callable[[], Backend]] = {
-    "shard_map": _shard_map_backend,
-    "pallas": _pallas_backend,
+  "shard_map": _shard_map_backend,
+  "pallas": _pallas_backend,
 }
 
 
@@ -74,6 +75,7 @@ def auto_implementation() -> str:
   if device.platform != "tpu":
     return "xla"
   from kernels import torus_collectives as pallas_impl
+
   return "pallas" if pallas_impl.supports_device_kind(device.device_kind) else "shard_map"
 
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -110,12 +111,12 @@ def _backward(cfg: _Config, residuals, cotangents):
   mul = coef[1]
   k_xc = -mul * rstd * rstd * total[1] / count
   k_0 = -mul * total[0] / count
-  dx = _pass(cfg, "backward_dx", x, dy, jnp.concatenate([coef, jnp.stack([k_xc, k_0])]),
-             relu=cfg.relu)
+  dx = _pass(
+    cfg, "backward_dx", x, dy, jnp.concatenate([coef, jnp.stack([k_xc, k_0])]), relu=cfg.relu
+  )
   dscale = local[1] * rstd
   dbias = local[0]
-  return (_to_primal_type(dx, x), _to_primal_type(dscale, scale),
-          _to_primal_type(dbias, bias))
+  return (_to_primal_type(dx, x), _to_primal_type(dscale, scale), _to_primal_type(dbias, bias))
 
 
 _batch_norm.defvjp(lambda x, scale, bias, cfg: _forward(x, scale, bias, cfg), _backward)
@@ -126,20 +127,21 @@ def _axis_sizes(axis_names: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(lax.axis_size(a) for a in axis_names)
   except NameError as e:
     raise ValueError(
-        f"axis_name={axis_names} is not bound here: call batch_norm inside jax.shard_map "
-        "over a mesh with these axes, or pass axis_name=None for local batch norm") from e
+      f"axis_name={axis_names} is not bound here: call batch_norm inside jax.shard_map "
+      "over a mesh with these axes, or pass axis_name=None for local batch norm"
+    ) from e
 
 
 def batch_norm(
-    x: jax.Array,
-    scale: jax.Array,
-    bias: jax.Array,
-    *,
-    axis_name: str | Sequence[str] | None = None,
-    group_size: groups.GroupSize = None,
-    epsilon: float = 1e-5,
-    relu: bool = False,
-    implementation: Implementation = "auto",
+  x: jax.Array,
+  scale: jax.Array,
+  bias: jax.Array,
+  *,
+  axis_name: str | Sequence[str] | None = None,
+  group_size: groups.GroupSize = None,
+  epsilon: float = 1e-5,
+  relu: bool = False,
+  implementation: Implementation = "auto",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Training-mode batch norm with statistics summed over a tile of replicas.
 
@@ -167,20 +169,20 @@ def batch_norm(
   """
   x, scale, bias = jnp.asarray(x), jnp.asarray(scale), jnp.asarray(bias)
   if x.ndim < 2:
-    raise ValueError(
-        f"x must have a batch axis and a trailing channel axis, got {x.shape=}")
+    raise ValueError(f"x must have a batch axis and a trailing channel axis, got {x.shape=}")
   channels = x.shape[-1]
   for name, p in (("scale", scale), ("bias", bias)):
     if p.shape != (channels,):
-      raise ValueError(f"{name} must have shape ({channels},) to match x's channel axis, "
-                       f"got {name}.shape={p.shape}")
+      raise ValueError(
+        f"{name} must have shape ({channels},) to match x's channel axis, "
+        f"got {name}.shape={p.shape}"
+      )
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"x must be floating point, got {x.dtype=}")
   if not epsilon > 0:
     raise ValueError(f"epsilon must be positive, got {epsilon=}")
   if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
-                     f"{implementation=}")
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation=}")
   if axis_name is None:
     if group_size not in (None, 1):
       raise ValueError(f"{group_size=} needs axis_name: the mesh axes the group spans")

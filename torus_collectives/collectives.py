@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Hashable
+from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,8 @@ def _bound_axes(axis_name: AxisName) -> tuple[tuple[str, ...], tuple[int, ...]]:
   axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   if not 1 <= len(axes) <= 2:
     raise ValueError(
-        f"{axis_name=}: give one mesh axis or a tuple of two (the torus), not {len(axes)}")
+      f"{axis_name=}: give one mesh axis or a tuple of two (the torus), not {len(axes)}"
+    )
   if len(set(axes)) != len(axes):
     raise ValueError(f"{axis_name=} names an axis twice")
   mesh = jax.sharding.get_abstract_mesh()
@@ -42,8 +43,9 @@ def _bound_axes(axis_name: AxisName) -> tuple[tuple[str, ...], tuple[int, ...]]:
     if axis not in manual:
       bound = sorted(manual) or "none"
       raise ValueError(
-          f"axis {axis!r} is not bound here (bound mesh axes: {bound}); call this inside "
-          "jax.shard_map over a mesh that has that axis")
+        f"axis {axis!r} is not bound here (bound mesh axes: {bound}); call this inside "
+        "jax.shard_map over a mesh that has that axis"
+      )
   return tuple(axes), tuple(int(mesh.shape[a]) for a in axes)
 
 
@@ -52,8 +54,9 @@ def _implementation(implementation: str, dtype) -> str:
   if impl != "xla" and jnp.dtype(dtype) not in backends.SUPPORTED_DTYPES:
     supported = ", ".join(d.name for d in backends.SUPPORTED_DTYPES)
     raise ValueError(
-        f'dtype {jnp.dtype(dtype).name} is not supported by implementation="{impl}" '
-        f'(supported: {supported}); cast the input, or use implementation="xla"')
+      f'dtype {jnp.dtype(dtype).name} is not supported by implementation="{impl}" '
+      f'(supported: {supported}); cast the input, or use implementation="xla"'
+    )
   return impl
 
 
@@ -79,10 +82,14 @@ def _linear_collective(name: str):
 _flat_reduce_scatter = _linear_collective("reduce_scatter")
 _flat_all_gather = _linear_collective("all_gather")
 # Each is the other's transpose.
-for _op, _transpose in ((_flat_reduce_scatter, _flat_all_gather),
-                        (_flat_all_gather, _flat_reduce_scatter)):
-  _op.defvjp(lambda x, impl, axes, torus, op=_op: (op(x, impl, axes, torus), None),
-             lambda impl, axes, torus, _, ct, t=_transpose: (t(ct, impl, axes, torus),))
+for _op, _transpose in (
+  (_flat_reduce_scatter, _flat_all_gather),
+  (_flat_all_gather, _flat_reduce_scatter),
+):
+  _op.defvjp(
+    lambda x, impl, axes, torus, op=_op: (op(x, impl, axes, torus), None),
+    lambda impl, axes, torus, _, ct, t=_transpose: (t(ct, impl, axes, torus),),
+  )
 del _op, _transpose
 
 
@@ -109,12 +116,12 @@ _flat_all_reduce.defvjp(_flat_all_reduce_fwd, _flat_all_reduce_bwd)
 
 
 def reduce_scatter(
-    x: jax.Array,
-    axis_name: AxisName,
-    *,
-    scatter_dimension: int = 0,
-    tiled: bool = False,
-    implementation: str = "auto",
+  x: jax.Array,
+  axis_name: AxisName,
+  *,
+  scatter_dimension: int = 0,
+  tiled: bool = False,
+  implementation: str = "auto",
 ) -> jax.Array:
   """Sums ``x`` over ``axis_name`` and keeps this device's chunk; as ``lax.psum_scatter``."""
   axes, torus = _bound_axes(axis_name)
@@ -124,12 +131,14 @@ def reduce_scatter(
   size = x.shape[dim]
   if tiled and size % p:
     raise ValueError(
-        f"tiled reduce_scatter over {axes} (size {p}) needs x.shape[{dim}]={size} to be a "
-        f"multiple of {p}; pad that dimension")
+      f"tiled reduce_scatter over {axes} (size {p}) needs x.shape[{dim}]={size} to be a "
+      f"multiple of {p}; pad that dimension"
+    )
   if not tiled and size != p:
     raise ValueError(
-        f"untiled reduce_scatter over {axes} needs x.shape[{dim}]={size} to equal the axis "
-        f"size {p}; reshape, or pass tiled=True")
+      f"untiled reduce_scatter over {axes} needs x.shape[{dim}]={size} to equal the axis "
+      f"size {p}; reshape, or pass tiled=True"
+    )
   if impl == "xla":
     return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
   moved = jnp.moveaxis(x, dim, 0)
@@ -140,12 +149,12 @@ def reduce_scatter(
 
 
 def all_gather(
-    x: jax.Array,
-    axis_name: AxisName,
-    *,
-    axis: int = 0,
-    tiled: bool = False,
-    implementation: str = "auto",
+  x: jax.Array,
+  axis_name: AxisName,
+  *,
+  axis: int = 0,
+  tiled: bool = False,
+  implementation: str = "auto",
 ) -> jax.Array:
   """Concatenates (``tiled``) or stacks ``x`` from every device; as ``lax.all_gather``."""
   axes, torus = _bound_axes(axis_name)
@@ -158,7 +167,7 @@ def all_gather(
   stacked = jnp.moveaxis(gathered.reshape((p,) + x.shape), 0, dim)
   if not tiled:
     return stacked
-  return stacked.reshape(x.shape[:dim] + (p * x.shape[dim],) + x.shape[dim + 1:])
+  return stacked.reshape(x.shape[:dim] + (p * x.shape[dim],) + x.shape[dim + 1 :])
 
 
 def all_reduce(x: jax.Array, axis_name: AxisName, *, implementation: str = "auto") -> jax.Array:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -64,26 +64,27 @@ class Generation:
 
 
 GENERATIONS = {
-    g.name: g for g in (
-        # Jouppi et al., "A Domain-Specific Supercomputer for Training Deep Neural
-        # Networks", CACM 63(7), 2020: TPUv3 has 4 ICI links of 656 Gbit/s in a 2-D
-        # torus. Whether that figure is per direction is not stated there; it is taken as
-        # one-way (82 GB/s). Uncertain: third-party guides quote up to 100 GB/s one-way.
-        Generation("v3", links_per_chip=4, link_bandwidth=656e9 / 8),
-        # Cloud TPU v4 docs: 2,400 Gbit/s of ICI per chip over 6 links (3-D torus), i.e.
-        # 50 GB/s per link. Taken as one-way by analogy with v5e and v5p, whose pages
-        # give both the Gbit/s figure and a bidirectional GB/s figure twice as large.
-        Generation("v4", links_per_chip=6, link_bandwidth=2400e9 / 8 / 6),
-        # Cloud TPU v5e docs: 400 GB/s bidirectional ICI per chip, 4 ICI ports, 2-D torus
-        # -> 50 GB/s one way per link.
-        Generation("v5e", links_per_chip=4, link_bandwidth=400e9 / 2 / 4),
-        # Cloud TPU v5p docs: 1,200 GB/s bidirectional ICI per chip, 3-D torus (6 links)
-        # -> 100 GB/s one way per link.
-        Generation("v5p", links_per_chip=6, link_bandwidth=1200e9 / 2 / 6),
-        # Cloud TPU v6e (Trillium) docs: 800 GB/s bidirectional ICI per chip, 4 ICI
-        # ports, 2-D torus -> 100 GB/s one way per link.
-        Generation("v6e", links_per_chip=4, link_bandwidth=800e9 / 2 / 4),
-    )
+  g.name: g
+  for g in (
+    # Jouppi et al., "A Domain-Specific Supercomputer for Training Deep Neural
+    # Networks", CACM 63(7), 2020: TPUv3 has 4 ICI links of 656 Gbit/s in a 2-D
+    # torus. Whether that figure is per direction is not stated there; it is taken as
+    # one-way (82 GB/s). Uncertain: third-party guides quote up to 100 GB/s one-way.
+    Generation("v3", links_per_chip=4, link_bandwidth=656e9 / 8),
+    # Cloud TPU v4 docs: 2,400 Gbit/s of ICI per chip over 6 links (3-D torus), i.e.
+    # 50 GB/s per link. Taken as one-way by analogy with v5e and v5p, whose pages
+    # give both the Gbit/s figure and a bidirectional GB/s figure twice as large.
+    Generation("v4", links_per_chip=6, link_bandwidth=2400e9 / 8 / 6),
+    # Cloud TPU v5e docs: 400 GB/s bidirectional ICI per chip, 4 ICI ports, 2-D torus
+    # -> 50 GB/s one way per link.
+    Generation("v5e", links_per_chip=4, link_bandwidth=400e9 / 2 / 4),
+    # Cloud TPU v5p docs: 1,200 GB/s bidirectional ICI per chip, 3-D torus (6 links)
+    # -> 100 GB/s one way per link.
+    Generation("v5p", links_per_chip=6, link_bandwidth=1200e9 / 2 / 6),
+    # Cloud TPU v6e (Trillium) docs: 800 GB/s bidirectional ICI per chip, 4 ICI
+    # ports, 2-D torus -> 100 GB/s one way per link.
+    Generation("v6e", links_per_chip=4, link_bandwidth=800e9 / 2 / 4),
+  )
 }
 
 RING_ORDERS = ("snake", "row_major")
@@ -119,8 +120,7 @@ def _num_links(physical: Sequence[int]) -> int:
   return int(np.prod(physical)) * 2 * len(physical)
 
 
-def _link_index(coords: Sequence[int], axis: int, direction: int,
-                physical: Sequence[int]) -> int:
+def _link_index(coords: Sequence[int], axis: int, direction: int, physical: Sequence[int]) -> int:
   """Index of the directed link leaving chip ``coords`` along ``axis`` in ``direction``."""
   device = int(np.ravel_multi_index(tuple(coords), tuple(physical)))
   return (device * len(physical) + axis) * 2 + (direction == -1)
@@ -161,8 +161,9 @@ def ring_order(physical: Sequence[int], order: str = "snake") -> list[tuple[int,
 
 
 @functools.lru_cache(maxsize=64)
-def _shift_loads(logical: tuple[int, ...], physical: tuple[int, ...],
-                 order: str) -> dict[tuple[int, int], tuple[np.ndarray, int]]:
+def _shift_loads(
+  logical: tuple[int, ...], physical: tuple[int, ...], order: str
+) -> dict[tuple[int, int], tuple[np.ndarray, int]]:
   """For each logical hop ``(axis, direction)``: uses of every physical link, max hops.
 
   When all devices send one slab of ``b`` bytes along a logical ``(axis, direction)``,
@@ -187,14 +188,16 @@ def _shift_loads(logical: tuple[int, ...], physical: tuple[int, ...],
   return out
 
 
-def _embedding(sched: schedule_lib.Schedule, physical: Sequence[int] | None,
-               order: str) -> tuple[tuple[int, ...], dict]:
+def _embedding(
+  sched: schedule_lib.Schedule, physical: Sequence[int] | None, order: str
+) -> tuple[tuple[int, ...], dict]:
   physical = tuple(sched.torus if physical is None else physical)
   if sched.torus != physical:
     if len(sched.torus) != 1 or sched.num_devices != int(np.prod(physical)):
       raise ValueError(
-          f"schedule torus {sched.torus} cannot be laid onto {physical=}: use a 2-D "
-          "schedule of the same shape, or a 1-D ring over the same number of chips")
+        f"schedule torus {sched.torus} cannot be laid onto {physical=}: use a 2-D "
+        "schedule of the same shape, or a 1-D ring over the same number of chips"
+      )
   return physical, _shift_loads(sched.torus, physical, order)
 
 
@@ -204,17 +207,21 @@ def _step_loads(sched: schedule_lib.Schedule, nbytes: float, loads: dict):
   cache: dict = {}
   for step in sched.steps():
     signature = tuple(
-        (t.phase.axis, t.phase.direction, t.slab_elements(sched.torus, 1)) for t in step)
+      (t.phase.axis, t.phase.direction, t.slab_elements(sched.torus, 1)) for t in step
+    )
     if signature not in cache:
-      link = sum(loads[axis, direction][0] * slab * chunk
-                 for axis, direction, slab in signature)
+      link = sum(loads[axis, direction][0] * slab * chunk for axis, direction, slab in signature)
       hops = max(loads[axis, direction][1] for axis, direction, _ in signature)
       cache[signature] = (link, hops)
     yield cache[signature]
 
 
-def link_bytes(sched: schedule_lib.Schedule, nbytes: float,
-               physical: Sequence[int] | None = None, order: str = "snake") -> np.ndarray:
+def link_bytes(
+  sched: schedule_lib.Schedule,
+  nbytes: float,
+  physical: Sequence[int] | None = None,
+  order: str = "snake",
+) -> np.ndarray:
   """Total bytes each directed physical link carries (index: ``link_key``)."""
   physical, loads = _embedding(sched, physical, order)
   total = np.zeros(_num_links(physical))
@@ -227,17 +234,24 @@ def link_bytes(sched: schedule_lib.Schedule, nbytes: float,
 # Predictions.
 
 
-def lower_bound(collective: schedule_lib.Collective, num_devices: int, nbytes: float,
-                generation: Generation) -> float:
+def lower_bound(
+  collective: schedule_lib.Collective, num_devices: int, nbytes: float, generation: Generation
+) -> float:
   """Seconds no algorithm can beat: each chip sends (p-1)/p S (x2 for all-reduce)."""
   factor = 2 if collective == "all_reduce" else 1
   per_chip = factor * (num_devices - 1) / num_devices * nbytes
   return per_chip / (generation.links_per_chip * generation.link_bandwidth)
 
 
-def predict(collective: schedule_lib.Collective, physical: Sequence[int],
-            variant: schedule_lib.Variant | str, nbytes: float, generation: Generation,
-            *, order: str = "snake") -> Prediction:
+def predict(
+  collective: schedule_lib.Collective,
+  physical: Sequence[int],
+  variant: schedule_lib.Variant | str,
+  nbytes: float,
+  generation: Generation,
+  *,
+  order: str = "snake",
+) -> Prediction:
   """Modelled time of ``collective`` over ``nbytes`` (full size) on a ``physical`` torus.
 
   Ring variants run over all chips of the torus, laid out in ``order``.
@@ -249,16 +263,27 @@ def predict(collective: schedule_lib.Collective, physical: Sequence[int],
     raise ValueError(f"nbytes must be positive, got {nbytes=}")
   variant = schedule_lib.Variant(variant)
   p = int(np.prod(physical))
-  logical = (p,) if variant in (schedule_lib.Variant.RING,
-                                schedule_lib.Variant.BIDIRECTIONAL_RING) else physical
+  logical = (
+    (p,)
+    if variant in (schedule_lib.Variant.RING, schedule_lib.Variant.BIDIRECTIONAL_RING)
+    else physical
+  )
   sched = schedule_lib.build(collective, logical, variant)
   _, loads = _embedding(sched, physical, order)
   bandwidth = latency = 0.0
   for link, hops in _step_loads(sched, nbytes, loads):
     bandwidth += link.max() / generation.link_bandwidth
     latency += hops * generation.hop_latency
-  return Prediction(collective, variant.value, physical, float(nbytes), sched.num_steps,
-                    bandwidth, latency, lower_bound(collective, p, nbytes, generation))
+  return Prediction(
+    collective,
+    variant.value,
+    physical,
+    float(nbytes),
+    sched.num_steps,
+    bandwidth,
+    latency,
+    lower_bound(collective, p, nbytes, generation),
+  )
 
 
 # ----------------------------------------------------------------------------------------
@@ -268,8 +293,9 @@ PODS = (("v3", (32, 32)), ("v5e", (16, 16)), ("v6e", (16, 16)))
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
-def resnet50_table(alpha: float | None = None,
-                   collective: schedule_lib.Collective = "all_reduce") -> list[dict]:
+def resnet50_table(
+  alpha: float | None = None, collective: schedule_lib.Collective = "all_reduce"
+) -> list[dict]:
   """One row per pod, gradient dtype and variant."""
   rows = []
   for name, torus in PODS:
@@ -286,22 +312,26 @@ def _with_alpha(generation: Generation, alpha: float | None) -> Generation:
 
 
 def format_table(rows: list[dict]) -> str:
-  header = (f"{'pod':<12}{'dtype':<10}{'variant':<20}{'steps':>6}{'time ms':>10}"
-            f"{'bw ms':>9}{'lat ms':>9}{'bound ms':>10}{'x bound':>9}")
+  header = (
+    f"{'pod':<12}{'dtype':<10}{'variant':<20}{'steps':>6}{'time ms':>10}"
+    f"{'bw ms':>9}{'lat ms':>9}{'bound ms':>10}{'x bound':>9}"
+  )
   lines = [header, "-" * len(header)]
   for row in rows:
     pred = row["prediction"]
     pod = f"{row['generation']} {pred.torus[0]}x{pred.torus[1]}"
     lines.append(
-        f"{pod:<12}{row['dtype']:<10}{pred.variant:<20}{pred.steps:>6}"
-        f"{pred.time_s * 1e3:>10.3f}{pred.bandwidth_s * 1e3:>9.3f}"
-        f"{pred.latency_s * 1e3:>9.3f}{pred.bound_s * 1e3:>10.3f}{pred.ratio_to_bound:>9.2f}")
+      f"{pod:<12}{row['dtype']:<10}{pred.variant:<20}{pred.steps:>6}"
+      f"{pred.time_s * 1e3:>10.3f}{pred.bandwidth_s * 1e3:>9.3f}"
+      f"{pred.latency_s * 1e3:>9.3f}{pred.bound_s * 1e3:>10.3f}{pred.ratio_to_bound:>9.2f}"
+    )
   return "\n".join(lines)
 
 
 def plot_time_vs_p(path: str, alpha: float | None = None, dtype: str = "float32") -> None:
   """PNG: modelled all-reduce time of ResNet-50's gradient against p, one panel per pod."""
   import matplotlib  # pylint: disable=import-outside-toplevel
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
 
@@ -312,14 +342,17 @@ def plot_time_vs_p(path: str, alpha: float | None = None, dtype: str = "float32"
     sides = [n for n in (2, 4, 8, 16, 32) if n <= pod[0]]
     ps = [n * n for n in sides]
     for variant in schedule_lib.Variant:
-      times = [predict("all_reduce", (n, n), variant, nbytes, generation).time_s
-               for n in sides]
+      times = [predict("all_reduce", (n, n), variant, nbytes, generation).time_s for n in sides]
       ax.plot(ps, np.array(times) * 1e3, marker="o", label=variant.value)
     bound = [lower_bound("all_reduce", p, nbytes, generation) * 1e3 for p in ps]
     ax.plot(ps, bound, "k--", label="lower bound")
-    ax.set(xscale="log", yscale="log", xlabel="chips p (n x n torus)",
-           title=f"{name}: {generation.links_per_chip} links x "
-           f"{generation.link_bandwidth / 1e9:.0f} GB/s, alpha {generation.hop_latency * 1e6:g} us")
+    ax.set(
+      xscale="log",
+      yscale="log",
+      xlabel="chips p (n x n torus)",
+      title=f"{name}: {generation.links_per_chip} links x "
+      f"{generation.link_bandwidth / 1e9:.0f} GB/s, alpha {generation.hop_latency * 1e6:g} us",
+    )
     ax.grid(True, which="both", alpha=0.3)
   axes[0].set_ylabel("all-reduce time (ms)")
   axes[0].legend()
@@ -331,14 +364,21 @@ def plot_time_vs_p(path: str, alpha: float | None = None, dtype: str = "float32"
 
 def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--alpha", type=float, default=None,
-                      help=f"per-hop latency in seconds (default {DEFAULT_HOP_LATENCY_S})")
-  parser.add_argument("--collective", default="all_reduce",
-                      choices=("all_reduce", "reduce_scatter", "all_gather"))
+  parser.add_argument(
+    "--alpha",
+    type=float,
+    default=None,
+    help=f"per-hop latency in seconds (default {DEFAULT_HOP_LATENCY_S})",
+  )
+  parser.add_argument(
+    "--collective", default="all_reduce", choices=("all_reduce", "reduce_scatter", "all_gather")
+  )
   parser.add_argument("--plot", metavar="PATH", help="also write a PNG of time against p")
   args = parser.parse_args(argv)
-  print(f"ResNet-50 gradient ({RESNET50_PARAMS:,} parameters), {args.collective}, "
-        "alpha-beta model (modelled, not measured)")
+  print(
+    f"ResNet-50 gradient ({RESNET50_PARAMS:,} parameters), {args.collective}, "
+    "alpha-beta model (modelled, not measured)"
+  )
   print(format_table(resnet50_table(args.alpha, args.collective)))
   if args.plot:
     plot_time_vs_p(args.plot, args.alpha)

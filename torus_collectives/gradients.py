@@ -38,13 +38,13 @@ def _buckets(leaves: list[jax.Array], bucket_bytes: int) -> list[list[int]]:
 
 
 def all_reduce_gradients(
-    tree: Any,
-    axis_name: AxisName,
-    *,
-    mean: bool = True,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    transport_dtype: jnp.dtype | None = None,
-    implementation: str = "auto",
+  tree: Any,
+  axis_name: AxisName,
+  *,
+  mean: bool = True,
+  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+  transport_dtype: jnp.dtype | None = None,
+  implementation: str = "auto",
 ) -> Any:
   """Sums (``mean=False``) or averages a gradient pytree over ``axis_name``.
 
@@ -57,8 +57,9 @@ def all_reduce_gradients(
   for leaf in leaves:
     if not jnp.issubdtype(leaf.dtype, jnp.floating):
       raise ValueError(
-          f"gradients must be floating point, got a leaf of dtype {leaf.dtype}; "
-          "filter integer leaves out of the tree first")
+        f"gradients must be floating point, got a leaf of dtype {leaf.dtype}; "
+        "filter integer leaves out of the tree first"
+      )
   wire = [leaf if transport_dtype is None else leaf.astype(transport_dtype) for leaf in leaves]
   scale = 1.0 / math.prod(torus) if mean else 1.0
   out: list[jax.Array | None] = [None] * len(leaves)
@@ -67,7 +68,7 @@ def all_reduce_gradients(
     summed = all_reduce(flat, axes, implementation=implementation)
     offset = 0
     for i in bucket:
-      part = summed[offset:offset + leaves[i].size].reshape(leaves[i].shape)
+      part = summed[offset : offset + leaves[i].size].reshape(leaves[i].shape)
       out[i] = (part.astype(jnp.float32) * scale).astype(leaves[i].dtype)
       offset += leaves[i].size
   return jax.tree.unflatten(treedef, out)

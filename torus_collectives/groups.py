@@ -25,7 +25,7 @@ Every function here runs inside ``jax.shard_map`` (or another context that binds
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 from jax import lax
@@ -41,8 +41,7 @@ def _is_power_of_two(n: int) -> bool:
 
 def _valid_extents(size: int) -> list[int]:
   """Tile extents allowed along an axis of ``size`` replicas."""
-  return [t for t in range(1, size + 1)
-          if size % t == 0 and (t == size or _is_power_of_two(t))]
+  return [t for t in range(1, size + 1) if size % t == 0 and (t == size or _is_power_of_two(t))]
 
 
 def _fill_last_axis_first(group_size: int, sizes: Sequence[int]) -> tuple[int, ...] | None:
@@ -64,14 +63,16 @@ def _fill_last_axis_first(group_size: int, sizes: Sequence[int]) -> tuple[int, .
 
 
 def _is_valid_tile(tile: Sequence[int], sizes: Sequence[int]) -> bool:
-  return len(tile) == len(sizes) and all(
-      t in _valid_extents(n) for t, n in zip(tile, sizes))
+  return len(tile) == len(sizes) and all(t in _valid_extents(n) for t, n in zip(tile, sizes))
 
 
 def valid_group_sizes(sizes: Sequence[int]) -> list[int]:
   """Every int ``group_size`` that names a valid tile on a mesh of these axis sizes."""
-  return [g for g in range(1, math.prod(sizes) + 1)
-          if (tile := _fill_last_axis_first(g, sizes)) and _is_valid_tile(tile, sizes)]
+  return [
+    g
+    for g in range(1, math.prod(sizes) + 1)
+    if (tile := _fill_last_axis_first(g, sizes)) and _is_valid_tile(tile, sizes)
+  ]
 
 
 def resolve_tile(group_size: GroupSize, sizes: Sequence[int]) -> tuple[int, ...]:
@@ -88,16 +89,18 @@ def resolve_tile(group_size: GroupSize, sizes: Sequence[int]) -> tuple[int, ...]
     if group_size >= 1 and tile and _is_valid_tile(tile, sizes):
       return tile
     raise ValueError(
-        f"{group_size=} is not a tile of the mesh with axis sizes {sizes} (filled along the "
-        f"last axis first); valid group sizes: {valid_group_sizes(sizes)}, or None for the "
-        "whole mesh.")
+      f"{group_size=} is not a tile of the mesh with axis sizes {sizes} (filled along the "
+      f"last axis first); valid group sizes: {valid_group_sizes(sizes)}, or None for the "
+      "whole mesh."
+    )
   tile = tuple(group_size)
   if _is_valid_tile(tile, sizes):
     return tile
   raise ValueError(
-      f"group_size={tile} is not a tile of the mesh with axis sizes {sizes}: give one "
-      "extent per named axis that divides the axis size and is either the whole axis or a "
-      f"power of two; valid extents per axis: {[_valid_extents(n) for n in sizes]}.")
+    f"group_size={tile} is not a tile of the mesh with axis sizes {sizes}: give one "
+    "extent per named axis that divides the axis size and is either the whole axis or a "
+    f"power of two; valid extents per axis: {[_valid_extents(n) for n in sizes]}."
+  )
 
 
 def _xor_exchange_sum(x, axis: str, size: int, extent: int):
@@ -113,7 +116,8 @@ def _xor_exchange_sum(x, axis: str, size: int, extent: int):
 def group_sum(x, axis_names: Sequence[str], tile: Sequence[int]):
   """Sums the pytree ``x`` over the replicas of each tile (``tile`` from ``resolve_tile``).
 
-  Whole axes go through one torus all-reduce (``tc.all_reduce``); partial axes through recursive doubling.
+  Whole axes go through one torus all-reduce (``tc.all_reduce``); partial axes through
+  recursive doubling.
   """
   axis_names = tuple(axis_names)
   sizes = tuple(lax.axis_size(a) for a in axis_names)

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import dtypes
 
-from torus_collectives.batch_norm import Implementation, batch_norm
 from torus_collectives import groups
+from torus_collectives.batch_norm import Implementation, batch_norm
 
 
 class BatchNorm(nn.Module):
@@ -45,22 +45,28 @@ class BatchNorm(nn.Module):
   @nn.compact
   def __call__(self, x, use_running_average: bool | None = None):
     use_running_average = nn.merge_param(
-        "use_running_average", self.use_running_average, use_running_average)
+      "use_running_average", self.use_running_average, use_running_average
+    )
     if not isinstance(self.axis, int):
-      raise NotImplementedError(
-          f"BatchNorm normalizes one feature axis; got axis={self.axis}")
+      raise NotImplementedError(f"BatchNorm normalizes one feature axis; got axis={self.axis}")
     x = jnp.moveaxis(jnp.asarray(x), self.axis, -1)
     features = (x.shape[-1],)
     ra_mean = self.variable("batch_stats", "mean", jnp.zeros, features, jnp.float32)
     ra_var = self.variable("batch_stats", "var", jnp.ones, features, jnp.float32)
-    scale = (self.param("scale", self.scale_init, features, self.param_dtype)
-             if self.use_scale else jnp.ones(features, self.param_dtype))
-    bias = (self.param("bias", self.bias_init, features, self.param_dtype)
-            if self.use_bias else jnp.zeros(features, self.param_dtype))
+    scale = (
+      self.param("scale", self.scale_init, features, self.param_dtype)
+      if self.use_scale
+      else jnp.ones(features, self.param_dtype)
+    )
+    bias = (
+      self.param("bias", self.bias_init, features, self.param_dtype)
+      if self.use_bias
+      else jnp.zeros(features, self.param_dtype)
+    )
     # flax's result dtype; the op computes in float32 and returns its input's dtype.
     out_dtype = dtypes.canonicalize_dtype(
-        x, *([scale] if self.use_scale else []), *([bias] if self.use_bias else []),
-        dtype=self.dtype)
+      x, *([scale] if self.use_scale else []), *([bias] if self.use_bias else []), dtype=self.dtype
+    )
 
     if use_running_average:
       mul = jax.lax.rsqrt(ra_var.value + self.epsilon) * scale
@@ -68,10 +74,14 @@ class BatchNorm(nn.Module):
     else:
       initializing = self.is_initializing()  # like flax: local statistics at init.
       y, mean, var = batch_norm(
-          x.astype(jnp.promote_types(x.dtype, out_dtype)), scale, bias,
-          axis_name=None if initializing else self.axis_name,
-          group_size=None if initializing else self.group_size,
-          epsilon=self.epsilon, implementation=self.implementation)
+        x.astype(jnp.promote_types(x.dtype, out_dtype)),
+        scale,
+        bias,
+        axis_name=None if initializing else self.axis_name,
+        group_size=None if initializing else self.group_size,
+        epsilon=self.epsilon,
+        implementation=self.implementation,
+      )
       if not initializing:
         ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean
         ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * var

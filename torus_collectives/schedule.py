@@ -33,7 +33,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -41,7 +42,7 @@ Kind = Literal["reduce_scatter", "all_gather"]
 Collective = Literal["reduce_scatter", "all_gather", "all_reduce"]
 
 
-class Variant(str, enum.Enum):
+class Variant(enum.StrEnum):
   RING = "ring"
   BIDIRECTIONAL_RING = "bidirectional_ring"
   TORUS_2D = "torus_2d"

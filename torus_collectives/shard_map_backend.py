@@ -37,7 +37,7 @@ def _ring_perm(size: int, direction: int) -> list[tuple[int, int]]:
   return [(i, (i + direction) % size) for i in range(size)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _schedule(collective: str, torus: tuple[int, ...]) -> schedule_lib.Schedule:
   return schedule_lib.build(collective, torus, schedule_lib.default_variant(torus))
 
@@ -92,8 +92,9 @@ def _drop_trivial_axes(axes: AxisNames, torus: tuple[int, ...]):
   return tuple(a for a, _ in kept), tuple(n for _, n in kept)
 
 
-def _execute(collective: str, x: jax.Array, axes: AxisNames, torus: tuple[int, ...],
-             wire_dtype) -> jax.Array:
+def _execute(
+  collective: str, x: jax.Array, axes: AxisNames, torus: tuple[int, ...], wire_dtype
+) -> jax.Array:
   """Runs ``collective`` on ``x``: a chunk grid ``torus + (width,)``, or ``(width,)`` for
   an all-gather. Returns the grid (all-reduce, all-gather) or the own chunk. Slabs travel
   in ``wire_dtype`` and are summed in ``x.dtype``.
@@ -135,8 +136,7 @@ def reduce_scatter(x: jax.Array, axes: AxisNames, torus: tuple[int, ...]) -> jax
   m = x.shape[0] // p
   width = _padded_width(m, torus)
   grid = _to_grid(x, p, m, width, _accumulation_dtype(x.dtype))
-  out = _execute(
-      "reduce_scatter", grid.reshape(torus + (width,)), axes, torus, x.dtype)
+  out = _execute("reduce_scatter", grid.reshape(torus + (width,)), axes, torus, x.dtype)
   return out.reshape(width)[:m].astype(x.dtype)
 
 
@@ -156,6 +156,5 @@ def all_reduce(x: jax.Array, axes: AxisNames, torus: tuple[int, ...]) -> jax.Arr
   width = _padded_width(m, torus)
   flat = jnp.pad(x, (0, p * m - n)) if p * m > n else x
   grid = _to_grid(flat, p, m, width, _accumulation_dtype(x.dtype))
-  out = _execute(
-      "all_reduce", grid.reshape(torus + (width,)), axes, torus, x.dtype)
+  out = _execute("all_reduce", grid.reshape(torus + (width,)), axes, torus, x.dtype)
   return out.reshape(p, width)[:, :m].reshape(p * m)[:n].astype(x.dtype)

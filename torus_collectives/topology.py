@@ -9,7 +9,7 @@ them so that this holds, including the wrap-around links of a torus slice. Elsew
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -18,9 +18,9 @@ from jax.sharding import AxisType, Mesh
 
 
 def make_torus_mesh(
-    shape: Sequence[int],
-    axis_names: Sequence[str] = ("x", "y"),
-    devices: Sequence[jax.Device] | None = None,
+  shape: Sequence[int],
+  axis_names: Sequence[str] = ("x", "y"),
+  devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
   """A mesh of ``shape`` over ``devices`` (default: all) whose neighbours are physical.
 
@@ -38,8 +38,9 @@ def make_torus_mesh(
   devices = list(jax.devices() if devices is None else devices)
   if int(np.prod(shape)) != len(devices):
     raise ValueError(
-        f"{shape=} needs {int(np.prod(shape))} devices but {len(devices)} were given; "
-        "pick a shape whose product is the device count")
+      f"{shape=} needs {int(np.prod(shape))} devices but {len(devices)} were given; "
+      "pick a shape whose product is the device count"
+    )
   if hasattr(devices[0], "coords"):
     grid = mesh_utils.create_device_mesh(shape, devices=devices)
   else:
