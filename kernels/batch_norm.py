@@ -1,23 +1,8 @@
-"""Per-replica batch-norm passes as Pallas TPU kernels, with their plain-jnp reference.
+"""The per-replica batch-norm passes of ``torus_collectives.batch_norm_passes`` as Pallas
+TPU kernels (same contracts, same ``coef`` layout).
 
-Batch norm over an activation viewed as ``x[M, C]`` (all axes but the channel axis
-flattened into rows) takes two passes over HBM forward and two backward; the group
-reduction of the per-channel results happens between them, outside these kernels:
-
-1. ``stats``: per-channel mean and M2 = sum((x - mean)**2) of the local rows, float32.
-   Each block of rows is centred on its own mean while it sits in VMEM (two passes over
-   VMEM, one over HBM), and blocks are merged with Chan's parallel update, so the
-   variance never comes from E[x^2] - E[x]^2 and stays exact for bfloat16 inputs with a
-   mean far larger than their spread.
-2. ``normalize``: y = (x - mean) * mul + bias, optionally ReLU'd, with
-   mul = scale * rsqrt(var + eps) precomputed per channel.
-3. ``backward_sums``: per-channel sum(g) and sum(g * (x - mean)), where g is the output
-   cotangent, masked by the ReLU (recomputed from x, so y is never stored).
-4. ``backward_dx``: dx = mul * g + k_xc * (x - mean) + k_0, with the per-channel
-   coefficients computed from the group-summed results of pass 3.
-
-Per-channel vectors reach the kernels stacked as one float32 ``coef[k, C]`` array: rows
-(mean, mul, bias) for passes 2 and 3, plus (k_xc, k_0) for pass 4.
+``stats`` centres each block of rows on its own mean while it sits in VMEM (two passes
+over VMEM, one over HBM) and merges blocks with Chan's parallel update.
 
 Layout: the grid runs over (channel blocks, row blocks). Reductions keep the row axis
 innermost and "arbitrary", accumulating into an output block resident across it; the
@@ -28,69 +13,23 @@ so when C divides 128 the rows are folded into lanes: x[M, C] is viewed as
 x[M * C / 128, 128], lane l holding channel l % C, and the per-lane results are merged
 back per channel.
 
-The ``*_reference`` functions are the same four passes in jnp: the "xla" implementation
-that runs everywhere. Its statistics use one pass of per-block shifted sums (each block
-of rows shifted by its first row), merged with Chan's update, which XLA fuses into a
-single reduction like flax's own E[x^2] one.
+Each ``pallas_call`` declares its HBM traffic (operands plus results) in a
+``pl.CostEstimate``, since XLA cannot see inside a Mosaic kernel.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-LANES = 128
-# Rows of a block are a multiple of this: 8 sublanes of 32 bits, 16 rows of bfloat16.
-ROW_ALIGN = 16
-# Float32 elements per block: 1 MiB, so a pass's double-buffered inputs, outputs and
-# float32 temporaries stay well inside the 16 MiB of scoped VMEM of v4/v5e/v5p.
-BLOCK_ELEMENTS = 1 << 18
-MAX_BLOCK_CHANNELS = 512
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-  """Block shape of every pass: ``block_rows`` x ``block_channels`` of the (folded) x."""
-
-  block_rows: int
-  block_channels: int
-
-  def __post_init__(self):
-    if self.block_rows < 1 or self.block_channels < 1:
-      raise ValueError(f"block sizes must be positive, got {self}")
-
-  @classmethod
-  def default(cls, rows: int, channels: int) -> BlockSizes:
-    """About ``BLOCK_ELEMENTS`` per block, at most ``MAX_BLOCK_CHANNELS`` lanes wide."""
-    block_channels = channels
-    if channels > MAX_BLOCK_CHANNELS and channels % LANES == 0:
-      block_channels = math.gcd(channels, MAX_BLOCK_CHANNELS)
-    block_rows = max(ROW_ALIGN, BLOCK_ELEMENTS // block_channels // ROW_ALIGN * ROW_ALIGN)
-    return cls(block_rows=min(block_rows, rows), block_channels=block_channels)
-
-  def check(self, rows: int, channels: int) -> None:
-    """Raises ValueError unless these blocks tile an x[rows, channels] legally."""
-    if channels % self.block_channels or (
-      self.block_channels != channels and self.block_channels % LANES
-    ):
-      raise ValueError(
-        f"block_channels={self.block_channels} must divide {channels=} and be a "
-        f"multiple of {LANES} or all of them"
-      )
-    if self.block_rows != rows and (self.block_rows % ROW_ALIGN or self.block_rows > rows):
-      raise ValueError(
-        f"block_rows={self.block_rows} must be a multiple of {ROW_ALIGN} no larger "
-        f"than {rows=}, or all of them"
-      )
-
+from torus_collectives._vma import varying_like
+from torus_collectives.batch_norm_passes import Passes
+from torus_collectives.configs import LANES, BlockSizes
 
 # ----------------------------------------------------------------------------- folding
 
@@ -242,12 +181,7 @@ def _specs(rows: int, channels: int, block_sizes: BlockSizes | None, n_coef: int
   return bs, grid, x_spec, coef_spec, params
 
 
-def _out_shape(shape, dtype, like):
-  """Output type of a pallas_call, varying over the same mesh axes as ``like``."""
-  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
-
-
-def _cost(*arrays, outputs, flops_per_element: int):
+def _traffic_cost(*arrays, outputs, flops_per_element: int):
   """The kernel's HBM traffic (operands plus results) for XLA's cost analysis."""
   nbytes = sum(a.size * a.dtype.itemsize for a in (*arrays, *outputs))
   return pl.CostEstimate(
@@ -264,14 +198,14 @@ def _stats_pallas(x, *, block_sizes=None):
   rows, channels = x.shape
   bs, grid, x_spec, _, params = _specs(rows, channels, block_sizes, 0, reduce=True)
   kernel = functools.partial(_stats_kernel, rows=rows, block_rows=bs.block_rows)
-  out_shape = _out_shape((2, channels), jnp.float32, x)
+  out_shape = varying_like(x, (2, channels), jnp.float32)
   return pl.pallas_call(
     kernel,
     grid=grid,
     in_specs=[x_spec],
     out_specs=_reduction_out_spec(2, bs.block_channels),
     out_shape=out_shape,
-    cost_estimate=_cost(x, outputs=[out_shape], flops_per_element=5),
+    cost_estimate=_traffic_cost(x, outputs=[out_shape], flops_per_element=5),
     compiler_params=params,
     name="bn_stats",
   )(x)
@@ -287,14 +221,14 @@ def stats(x, *, block_sizes: BlockSizes | None = None):
 def _normalize_pallas(x, coef, *, relu, block_sizes=None):
   rows, channels = x.shape
   _, grid, x_spec, coef_spec, params = _specs(rows, channels, block_sizes, 3, reduce=False)
-  out_shape = _out_shape(x.shape, x.dtype, x)
+  out_shape = varying_like(x, x.shape)
   return pl.pallas_call(
     functools.partial(_normalize_kernel, relu=relu),
     grid=grid,
     in_specs=[x_spec, coef_spec],
     out_specs=x_spec,
     out_shape=out_shape,
-    cost_estimate=_cost(x, coef, outputs=[out_shape], flops_per_element=4),
+    cost_estimate=_traffic_cost(x, coef, outputs=[out_shape], flops_per_element=4),
     compiler_params=params,
     name="bn_normalize",
   )(x, coef)
@@ -311,14 +245,14 @@ def _backward_sums_pallas(x, dy, coef, *, relu, block_sizes=None):
   rows, channels = x.shape
   bs, grid, x_spec, coef_spec, params = _specs(rows, channels, block_sizes, 3, reduce=True)
   kernel = functools.partial(_backward_sums_kernel, rows=rows, block_rows=bs.block_rows, relu=relu)
-  out_shape = _out_shape((2, channels), jnp.float32, x)
+  out_shape = varying_like(x, (2, channels), jnp.float32)
   return pl.pallas_call(
     kernel,
     grid=grid,
     in_specs=[x_spec, x_spec, coef_spec],
     out_specs=_reduction_out_spec(2, bs.block_channels),
     out_shape=out_shape,
-    cost_estimate=_cost(x, dy, coef, outputs=[out_shape], flops_per_element=7),
+    cost_estimate=_traffic_cost(x, dy, coef, outputs=[out_shape], flops_per_element=7),
     compiler_params=params,
     name="bn_backward_sums",
   )(x, dy, coef)
@@ -334,14 +268,14 @@ def backward_sums(x, dy, coef, *, relu: bool, block_sizes: BlockSizes | None = N
 def _backward_dx_pallas(x, dy, coef, *, relu, block_sizes=None):
   rows, channels = x.shape
   _, grid, x_spec, coef_spec, params = _specs(rows, channels, block_sizes, 5, reduce=False)
-  out_shape = _out_shape(x.shape, x.dtype, x)
+  out_shape = varying_like(x, x.shape)
   return pl.pallas_call(
     functools.partial(_backward_dx_kernel, relu=relu),
     grid=grid,
     in_specs=[x_spec, x_spec, coef_spec],
     out_specs=x_spec,
     out_shape=out_shape,
-    cost_estimate=_cost(x, dy, coef, outputs=[out_shape], flops_per_element=9),
+    cost_estimate=_traffic_cost(x, dy, coef, outputs=[out_shape], flops_per_element=9),
     compiler_params=params,
     name="bn_backward_dx",
   )(x, dy, coef)
@@ -353,62 +287,4 @@ def backward_dx(x, dy, coef, *, relu: bool, block_sizes: BlockSizes | None = Non
     return _backward_dx_pallas(x, dy, coef, relu=relu, block_sizes=block_sizes)
 
 
-# ----------------------------------------------------------------------------- reference
-
-
-def _shift_block_rows(rows: int, target: int = 4096) -> int:
-  """The largest divisor of ``rows`` up to ``target``: the reference's block length."""
-  divisors = (c for d in range(1, math.isqrt(rows) + 1) if rows % d == 0 for c in (d, rows // d))
-  return max(c for c in divisors if c <= target)
-
-
-def stats_reference(x):
-  """``stats`` in one XLA pass: per-block sums shifted by each block's first row."""
-  rows, channels = x.shape
-  block = _shift_block_rows(rows)
-  xb = x.reshape(rows // block, block, channels).astype(jnp.float32)
-  d = xb - xb[:, :1, :]
-  s1, s2 = jnp.sum(d, axis=1), jnp.sum(d * d, axis=1)
-  block_mean = xb[:, 0, :] + s1 / block
-  block_m2 = s2 - s1 * s1 / block
-  mean = jnp.mean(block_mean, axis=0)
-  m2 = jnp.sum(block_m2, axis=0) + block * jnp.sum((block_mean - mean) ** 2, axis=0)
-  return jnp.stack([mean, m2])
-
-
-def _centred_cotangent_reference(x, dy, coef, relu: bool):
-  xc = x.astype(jnp.float32) - coef[0]
-  g = dy.astype(jnp.float32)
-  if relu:
-    g = jnp.where(xc * coef[1] + coef[2] > 0, g, 0.0)
-  return xc, g
-
-
-def normalize_reference(x, coef, *, relu: bool):
-  y = (x.astype(jnp.float32) - coef[0]) * coef[1] + coef[2]
-  return (jnp.maximum(y, 0.0) if relu else y).astype(x.dtype)
-
-
-def backward_sums_reference(x, dy, coef, *, relu: bool):
-  xc, g = _centred_cotangent_reference(x, dy, coef, relu)
-  return jnp.stack([jnp.sum(g, axis=0), jnp.sum(g * xc, axis=0)])
-
-
-def backward_dx_reference(x, dy, coef, *, relu: bool):
-  xc, g = _centred_cotangent_reference(x, dy, coef, relu)
-  return (g * coef[1] + xc * coef[3] + coef[4]).astype(x.dtype)
-
-
-class Passes(NamedTuple):
-  """The four per-replica passes of one implementation."""
-
-  stats: Callable
-  normalize: Callable
-  backward_sums: Callable
-  backward_dx: Callable
-
-
 PALLAS = Passes(stats, normalize, backward_sums, backward_dx)
-REFERENCE = Passes(
-  stats_reference, normalize_reference, backward_sums_reference, backward_dx_reference
-)

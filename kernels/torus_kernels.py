@@ -30,7 +30,8 @@ Synchronisation:
 Under ``shard_map(check_vma=True)`` the outputs carry the input's varying axes, so callers
 pass inputs already varying over the torus axes.
 
-Assumptions: integer and float32 buffers only (callers accumulate bfloat16 in float32);
+Assumptions: the reduce-scatter sums integers and float32 (callers widen bfloat16 and
+float16 to float32 first); the all-gather moves any 16- or 32-bit type;
 ``R`` is a multiple of ``block_rows``; the kernels run inside a ``shard_map`` that binds every
 axis of its mesh (device ids are mesh coordinates over all of them).
 
@@ -52,6 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from torus_collectives import schedule as schedule_lib
+from torus_collectives._vma import varying_like
 
 # Barrier semaphores are per collective id; the two kernels use distinct ones so that a
 # device entering one kernel never mixes its barrier signals with a neighbour's other kernel.
@@ -263,12 +265,7 @@ def _all_gather_kernel(
         copy.wait_send()
 
 
-def _like(x: jax.Array, shape, dtype=None) -> jax.ShapeDtypeStruct:
-  """An output type with ``x``'s varying mesh axes (needed under ``check_vma=True``)."""
-  return jax.ShapeDtypeStruct(shape, dtype or x.dtype, manual_axis_type=jax.typeof(x).mat)
-
-
-def _cost(
+def _schedule_cost(
   schedule: schedule_lib.Schedule, slice_elements: int, itemsize: int, *, reduce: bool
 ) -> pl.CostEstimate:
   """The kernel's cost for XLA's scheduler, priced from the schedule itself.
@@ -297,7 +294,6 @@ def reduce_scatter_call(
   axes: Sequence[str],
   mesh_axes: Sequence[str],
   block_rows: int,
-  interpret=False,
 ) -> jax.Array:
   """Runs a reduce-scatter ``schedule`` on ``x`` of shape ``(*torus, S, R, 128)``.
 
@@ -327,17 +323,16 @@ def reduce_scatter_call(
   acc, _ = pl.pallas_call(
     kernel,
     out_shape=(
-      _like(x, x.shape),
+      varying_like(x, x.shape),
       # Receive slots live in HBM; an output is how a kernel gets an HBM buffer.
-      _like(x, (streams, _RECV_SLOTS, _max_slab_chunks(schedule), rows, lanes)),
+      varying_like(x, (streams, _RECV_SLOTS, _max_slab_chunks(schedule), rows, lanes)),
     ),
     grid_spec=grid_spec,
     input_output_aliases={1: 0},  # operand 0 is the coordinates
-    cost_estimate=_cost(schedule, rows * lanes, x.dtype.itemsize, reduce=True),
+    cost_estimate=_schedule_cost(schedule, rows * lanes, x.dtype.itemsize, reduce=True),
     compiler_params=pltpu.CompilerParams(
       collective_id=_REDUCE_SCATTER_COLLECTIVE_ID, has_side_effects=True
     ),
-    interpret=interpret,
     name="torus_reduce_scatter",
   )(mesh_coordinates(mesh_axes), x)
   return acc
@@ -348,7 +343,6 @@ def all_gather_call(
   schedule: schedule_lib.Schedule,
   axes: Sequence[str],
   mesh_axes: Sequence[str],
-  interpret=False,
 ) -> jax.Array:
   """Runs an all-gather ``schedule`` on the own chunk ``x`` of shape ``(S, R, 128)``.
 
@@ -371,12 +365,13 @@ def all_gather_call(
   )
   return pl.pallas_call(
     kernel,
-    out_shape=_like(x, schedule.torus + x.shape),
+    out_shape=varying_like(x, schedule.torus + x.shape),
     grid_spec=grid_spec,
-    cost_estimate=_cost(schedule, x.shape[-2] * x.shape[-1], x.dtype.itemsize, reduce=False),
+    cost_estimate=_schedule_cost(
+      schedule, x.shape[-2] * x.shape[-1], x.dtype.itemsize, reduce=False
+    ),
     compiler_params=pltpu.CompilerParams(
       collective_id=_ALL_GATHER_COLLECTIVE_ID, has_side_effects=True
     ),
-    interpret=interpret,
     name="torus_all_gather",
   )(mesh_coordinates(mesh_axes), x)

@@ -8,8 +8,10 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kernels import batch_norm as kbn
+from torus_collectives import batch_norm_passes
 from torus_collectives.batch_norm import batch_norm
+from torus_collectives.configs import BlockSizes
+from torus_collectives.kernels import batch_norm as kbn
 
 INTERPRET = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
 
@@ -27,7 +29,7 @@ def _operands(rows, channels, dtype, seed=0):
   kx, kd, kc = jax.random.split(jax.random.key(seed), 3)
   x = (50.0 + 3.0 * jax.random.normal(kx, (rows, channels))).astype(dtype)
   dy = jax.random.normal(kd, (rows, channels)).astype(dtype)
-  stats = kbn.stats_reference(x)
+  stats = batch_norm_passes.stats_reference(x)
   mul = jax.lax.rsqrt(stats[1] / rows + 1e-5) * (1 + 0.1 * jax.random.normal(kc, (channels,)))
   coef = jnp.stack(
     [
@@ -45,9 +47,9 @@ def _operands(rows, channels, dtype, seed=0):
 # lanes (C = 32 -> 4 rows per 128 lanes) with a ragged folded block.
 SHAPES = [
   (64, 128, None),
-  (200, 128, kbn.BlockSizes(block_rows=48, block_channels=128)),
-  (96, 256, kbn.BlockSizes(block_rows=32, block_channels=128)),
-  (352, 32, kbn.BlockSizes(block_rows=32, block_channels=128)),
+  (200, 128, BlockSizes(block_rows=48, block_channels=128)),
+  (96, 256, BlockSizes(block_rows=32, block_channels=128)),
+  (352, 32, BlockSizes(block_rows=32, block_channels=128)),
 ]
 
 
@@ -67,20 +69,23 @@ def test_passes_match_reference_in_interpret_mode(
     )
   )
   stats, y, sums, dx = run(x, dy, coef)
-  np.testing.assert_allclose(stats[0], kbn.stats_reference(x)[0], rtol=1e-6)
-  np.testing.assert_allclose(stats[1], kbn.stats_reference(x)[1], rtol=1e-4)
+  np.testing.assert_allclose(stats[0], batch_norm_passes.stats_reference(x)[0], rtol=1e-6)
+  np.testing.assert_allclose(stats[1], batch_norm_passes.stats_reference(x)[1], rtol=1e-4)
   out_tol = dict(rtol=1e-2, atol=1e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(
     np.asarray(y, np.float32),
-    np.asarray(kbn.normalize_reference(x, coef[:3], relu=True), np.float32),
+    np.asarray(batch_norm_passes.normalize_reference(x, coef[:3], relu=True), np.float32),
     **out_tol,
   )
   np.testing.assert_allclose(
-    sums, kbn.backward_sums_reference(x, dy, coef[:3], relu=True), rtol=1e-4, atol=1e-3
+    sums,
+    batch_norm_passes.backward_sums_reference(x, dy, coef[:3], relu=True),
+    rtol=1e-4,
+    atol=1e-3,
   )
   np.testing.assert_allclose(
     np.asarray(dx, np.float32),
-    np.asarray(kbn.backward_dx_reference(x, dy, coef, relu=True), np.float32),
+    np.asarray(batch_norm_passes.backward_dx_reference(x, dy, coef, relu=True), np.float32),
     **out_tol,
   )
 
@@ -124,17 +129,17 @@ def test_pallas_op_matches_xla_op_across_a_group_in_interpret_mode(interpret_mod
 
 def test_block_channels_that_do_not_divide_channels_raise():
   with pytest.raises(ValueError, match="block_channels=128 must divide channels=192"):
-    kbn.BlockSizes(block_rows=16, block_channels=128).check(64, 192)
+    BlockSizes(block_rows=16, block_channels=128).check(64, 192)
 
 
 def test_misaligned_block_rows_raise():
   with pytest.raises(ValueError, match="block_rows=20 must be a multiple of 16"):
-    kbn.BlockSizes(block_rows=20, block_channels=128).check(64, 128)
+    BlockSizes(block_rows=20, block_channels=128).check(64, 128)
 
 
 def test_non_positive_block_sizes_raise():
   with pytest.raises(ValueError, match="block sizes must be positive"):
-    kbn.BlockSizes(block_rows=0, block_channels=128)
+    BlockSizes(block_rows=0, block_channels=128)
 
 
 # ---------------------------------------------------------------------- AOT for TPU

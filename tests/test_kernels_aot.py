@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("libtpu")
 
-from kernels import aot_report  # noqa: E402
+from bench import aot_report  # noqa: E402
 
 pytestmark = pytest.mark.aot
 

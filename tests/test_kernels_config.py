@@ -2,7 +2,7 @@
 
 import pytest
 
-from kernels import torus_config as config_lib
+from torus_collectives import configs as config_lib
 from torus_collectives import schedule
 
 
@@ -18,7 +18,7 @@ def test_block_rows_must_be_a_positive_multiple_of_16(block_rows):
   [("TPU v5 lite", 2 << 20), ("TPU v6 lite", 4 << 20), ("an unknown kind", 2 << 20)],
 )
 def test_default_blocks_fit_vmem_and_pad_little(rows, kind, vmem_budget):
-  cfg = config_lib.default_config(rows, 4, kind)
+  cfg = config_lib.KernelConfig.default(rows, 4, kind)
   blocks = -(-rows // cfg.block_rows)
   assert 4 * cfg.block_rows * config_lib.LANES * 4 <= vmem_budget  # four float32 blocks
   assert blocks * cfg.block_rows - rows < config_lib.ROW_MULTIPLE * blocks

@@ -20,9 +20,9 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
-from kernels import torus_collectives as kernels
-from kernels import torus_config as config_lib
-from torus_collectives import backends
+from torus_collectives import configs as config_lib
+from torus_collectives import registry
+from torus_collectives.kernels import pallas_backend as kernels
 
 pytestmark = pytest.mark.interpret
 
@@ -153,7 +153,7 @@ def test_auto_is_xla_on_cpu():
   seen = []
 
   def record(v):
-    seen.append(backends.resolve("auto"))
+    seen.append(registry.auto_implementation())
     return v
 
   _per_device(record, _mesh((2, 4)), AXES)(jnp.ones((8, 4)))

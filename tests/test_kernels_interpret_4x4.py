@@ -43,8 +43,8 @@ def _main() -> None:
   from jax.sharding import AxisType
   from jax.sharding import PartitionSpec as P
 
-  from kernels import torus_collectives as kernels
-  from kernels import torus_config
+  from torus_collectives import configs as torus_config
+  from torus_collectives.kernels import pallas_backend as kernels
 
   axes = ("x", "y")
   mesh = jax.make_mesh((4, 4), axes, axis_types=(AxisType.Auto,) * 2)

@@ -31,6 +31,12 @@ def ensure_varying(x: jax.Array, axes: AxisNames) -> jax.Array:
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def varying_like(x: jax.Array, shape, dtype=None) -> jax.ShapeDtypeStruct:
+  """An output type of ``shape`` varying over the same mesh axes as ``x`` (a kernel's
+  ``out_shape`` must say so under ``check_vma=True``)."""
+  return jax.ShapeDtypeStruct(shape, dtype or x.dtype, manual_axis_type=jax.typeof(x).mat)
+
+
 mark_invariant_p = Primitive("torus_mark_invariant")
 
 
@@ -55,4 +61,4 @@ def mark_invariant(x: jax.Array, axes: AxisNames) -> jax.Array:
   return mark_invariant_p.bind(x, axes=tuple(axes))
 
 
-__all__ = ["ensure_varying", "mark_invariant", "vma_checked"]
+__all__ = ["ensure_varying", "mark_invariant", "varying_like", "vma_checked"]

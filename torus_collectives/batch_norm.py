@@ -9,7 +9,7 @@ them, as in Ying et al., "Image Classification at Supercomputer Scale" (2018).
 Forward, per channel, with n rows per replica and N = g * n in the group:
 
 1. each replica computes the mean and M2 = sum((x - mean)**2) of its rows (one HBM pass,
-   numerically sound; ``kernels.batch_norm``);
+   numerically sound; ``batch_norm_passes``);
 2. group sum of the local means -> the group mean;
 3. group sum of M2_i + n * (mean_i - mean)**2 -> the group M2, var = M2 / N. Every term
    is non-negative, so no cancellation; the price is a second latency round of C floats;
@@ -30,17 +30,14 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels import batch_norm as kernels
-from torus_collectives import groups
-
-Implementation = Literal["auto", "pallas", "xla"]
-IMPLEMENTATIONS = ("auto", "pallas", "xla")
+from torus_collectives import groups, registry
+from torus_collectives.configs import BlockSizes
+from torus_collectives.registry import Implementation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,22 +46,15 @@ class _Config:
   tile: tuple[int, ...]
   epsilon: float
   relu: bool
-  implementation: Implementation
+  implementation: str  # concrete: "xla" or "pallas"
+  block_sizes: BlockSizes | None
 
 
 def _pass(cfg: _Config, name: str, *args, **kwargs):
-  """Runs one per-replica pass of the configured implementation.
-
-  "auto" lowers the Pallas kernel for TPU targets and the jnp reference elsewhere, so an
-  ahead-of-time compile for TPU from a CPU host picks the kernel too.
-  """
-  pallas = functools.partial(getattr(kernels.PALLAS, name), **kwargs)
-  reference = functools.partial(getattr(kernels.REFERENCE, name), **kwargs)
+  """Runs one per-replica pass of the configured implementation."""
   if cfg.implementation == "pallas":
-    return pallas(*args)
-  if cfg.implementation == "xla":
-    return reference(*args)
-  return lax.platform_dependent(*args, tpu=pallas, default=reference)
+    kwargs["block_sizes"] = cfg.block_sizes
+  return getattr(registry.batch_norm_passes(cfg.implementation), name)(*args, **kwargs)
 
 
 def _group_sum(x, cfg: _Config):
@@ -142,6 +132,7 @@ def batch_norm(
   epsilon: float = 1e-5,
   relu: bool = False,
   implementation: Implementation = "auto",
+  block_sizes: BlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Training-mode batch norm with statistics summed over a tile of replicas.
 
@@ -156,8 +147,9 @@ def batch_norm(
     epsilon: added to the variance.
     relu: apply ReLU to the output (fused into the normalize pass).
     implementation: "pallas" (TPU kernels; on CPU only under
-      ``pltpu.force_tpu_interpret_mode``), "xla" (jnp), or "auto" (Pallas when lowering
-      for TPU, "xla" otherwise).
+      ``pltpu.force_tpu_interpret_mode``), "xla" (jnp), or "auto" (see ``registry``).
+    block_sizes: block shape of the Pallas passes (default: from the shape); ignored by
+      the other implementations.
 
   Returns:
     ``(y, mean, var)``: y in ``x.dtype`` (compute is float32), and the group's float32
@@ -181,8 +173,9 @@ def batch_norm(
     raise ValueError(f"x must be floating point, got {x.dtype=}")
   if not epsilon > 0:
     raise ValueError(f"epsilon must be positive, got {epsilon=}")
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation=}")
+  impl = registry.resolve("batch_norm", implementation, x.dtype)
+  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+    raise ValueError(f"block_sizes must be a tc.BlockSizes or None, got {block_sizes=}")
   if axis_name is None:
     if group_size not in (None, 1):
       raise ValueError(f"{group_size=} needs axis_name: the mesh axes the group spans")
@@ -190,6 +183,6 @@ def batch_norm(
   else:
     axis_names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     tile = groups.resolve_tile(group_size, _axis_sizes(axis_names))
-  cfg = _Config(axis_names, tile, float(epsilon), bool(relu), implementation)
+  cfg = _Config(axis_names, tile, float(epsilon), bool(relu), impl, block_sizes)
   y, mean, var = _batch_norm(x.reshape(-1, channels), scale, bias, cfg)
   return y.reshape(x.shape), lax.stop_gradient(mean), lax.stop_gradient(var)

@@ -3,7 +3,7 @@
 Called inside ``jax.shard_map`` over a mesh with named axes, they take the same arguments
 and give the same shapes, chunk order (row-major over a tuple of axis names), ``tiled``
 meaning and gradients as their ``lax`` counterparts, with a choice of implementation (see
-``backends``). The work here is the part every implementation shares: validating the
+``registry``). The work here is the part every implementation shares: validating the
 request before any device work, bringing the scattered or gathered dimension to the front
 and flattening, and the autodiff rules (a Pallas kernel has no transpose of its own):
 
@@ -22,8 +22,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from torus_collectives import backends
+from torus_collectives import registry
 from torus_collectives._vma import ensure_varying, mark_invariant, vma_checked
+from torus_collectives.configs import KernelConfig
+from torus_collectives.registry import Implementation
 
 AxisName = Hashable | tuple[Hashable, ...]
 
@@ -49,15 +51,11 @@ def _bound_axes(axis_name: AxisName) -> tuple[tuple[str, ...], tuple[int, ...]]:
   return tuple(axes), tuple(int(mesh.shape[a]) for a in axes)
 
 
-def _implementation(implementation: str, dtype) -> str:
-  impl = backends.resolve(implementation)
-  if impl != "xla" and jnp.dtype(dtype) not in backends.SUPPORTED_DTYPES:
-    supported = ", ".join(d.name for d in backends.SUPPORTED_DTYPES)
-    raise ValueError(
-      f'dtype {jnp.dtype(dtype).name} is not supported by implementation="{impl}" '
-      f'(supported: {supported}); cast the input, or use implementation="xla"'
-    )
-  return impl
+def _implementation(op: str, implementation: str, dtype, config) -> tuple[str, KernelConfig | None]:
+  """(concrete implementation, kernel config): the ``impl`` key the flat collectives take."""
+  if config is not None and not isinstance(config, KernelConfig):
+    raise ValueError(f"config must be a tc.KernelConfig or None, got {config=}")
+  return registry.resolve(op, implementation, dtype), config
 
 
 def _dimension(value: int, ndim: int, name: str) -> int:
@@ -67,6 +65,7 @@ def _dimension(value: int, ndim: int, name: str) -> int:
 
 
 # Flat, differentiable collectives: the backend does the work, the VJP pairs them up.
+# ``impl`` is the (name, config) pair from ``_implementation``; both are hashable.
 
 
 def _linear_collective(name: str):
@@ -74,7 +73,7 @@ def _linear_collective(name: str):
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
   def op(x, impl, axes, torus):
-    return getattr(backends.get(impl), name)(x, axes, torus)
+    return getattr(registry.collective_backend(*impl), name)(x, axes, torus)
 
   return op
 
@@ -95,7 +94,7 @@ del _op, _transpose
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def _flat_all_reduce(x, impl, axes, torus, invariant):
-  out = backends.get(impl).all_reduce(x, axes, torus)
+  out = registry.collective_backend(*impl).all_reduce(x, axes, torus)
   return mark_invariant(out, axes) if invariant else out
 
 
@@ -121,11 +120,12 @@ def reduce_scatter(
   *,
   scatter_dimension: int = 0,
   tiled: bool = False,
-  implementation: str = "auto",
+  implementation: Implementation = "auto",
+  config: KernelConfig | None = None,
 ) -> jax.Array:
   """Sums ``x`` over ``axis_name`` and keeps this device's chunk; as ``lax.psum_scatter``."""
   axes, torus = _bound_axes(axis_name)
-  impl = _implementation(implementation, x.dtype)
+  impl = _implementation("reduce_scatter", implementation, x.dtype, config)
   p = math.prod(torus)
   dim = _dimension(scatter_dimension, x.ndim, "scatter_dimension")
   size = x.shape[dim]
@@ -139,7 +139,7 @@ def reduce_scatter(
       f"untiled reduce_scatter over {axes} needs x.shape[{dim}]={size} to equal the axis "
       f"size {p}; reshape, or pass tiled=True"
     )
-  if impl == "xla":
+  if impl[0] == "xla":
     return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
   moved = jnp.moveaxis(x, dim, 0)
   out = _flat_reduce_scatter(ensure_varying(moved.reshape(-1), axes), impl, axes, torus)
@@ -154,14 +154,15 @@ def all_gather(
   *,
   axis: int = 0,
   tiled: bool = False,
-  implementation: str = "auto",
+  implementation: Implementation = "auto",
+  config: KernelConfig | None = None,
 ) -> jax.Array:
   """Concatenates (``tiled``) or stacks ``x`` from every device; as ``lax.all_gather``."""
   axes, torus = _bound_axes(axis_name)
-  impl = _implementation(implementation, x.dtype)
+  impl = _implementation("all_gather", implementation, x.dtype, config)
   p = math.prod(torus)
   dim = _dimension(axis, x.ndim if tiled else x.ndim + 1, "axis")
-  if impl == "xla":
+  if impl[0] == "xla":
     return lax.all_gather(x, axis_name, axis=dim, tiled=tiled)
   gathered = _flat_all_gather(ensure_varying(x.reshape(-1), axes), impl, axes, torus)
   stacked = jnp.moveaxis(gathered.reshape((p,) + x.shape), 0, dim)
@@ -170,11 +171,17 @@ def all_gather(
   return stacked.reshape(x.shape[:dim] + (p * x.shape[dim],) + x.shape[dim + 1 :])
 
 
-def all_reduce(x: jax.Array, axis_name: AxisName, *, implementation: str = "auto") -> jax.Array:
+def all_reduce(
+  x: jax.Array,
+  axis_name: AxisName,
+  *,
+  implementation: Implementation = "auto",
+  config: KernelConfig | None = None,
+) -> jax.Array:
   """Sums ``x`` over ``axis_name``; as ``lax.psum``."""
   axes, torus = _bound_axes(axis_name)
-  impl = _implementation(implementation, x.dtype)
-  if impl == "xla":
+  impl = _implementation("all_reduce", implementation, x.dtype, config)
+  if impl[0] == "xla":
     return lax.psum(x, axis_name)
   flat = ensure_varying(x.reshape(-1), axes)
   return _flat_all_reduce(flat, impl, axes, torus, vma_checked()).reshape(x.shape)

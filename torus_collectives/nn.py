@@ -17,7 +17,8 @@ from flax import linen as nn
 from flax.linen import dtypes
 
 from torus_collectives import groups
-from torus_collectives.batch_norm import Implementation, batch_norm
+from torus_collectives.batch_norm import batch_norm
+from torus_collectives.registry import Implementation
 
 
 class BatchNorm(nn.Module):

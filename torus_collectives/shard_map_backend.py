@@ -23,14 +23,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from torus_collectives import schedule as schedule_lib
+from torus_collectives.layout import accumulation_dtype, ceil_div, pad_chunks, pad_to
 
 AxisNames = tuple[str, ...]
-
-
-def _accumulation_dtype(dtype) -> jnp.dtype:
-  if jnp.issubdtype(dtype, jnp.floating):
-    return jnp.promote_types(dtype, jnp.float32)
-  return jnp.dtype(dtype)
 
 
 def _ring_perm(size: int, direction: int) -> list[tuple[int, int]]:
@@ -121,13 +116,7 @@ def _execute(
 def _padded_width(m: int, torus: tuple[int, ...]) -> int:
   _, kept = _drop_trivial_axes(torus, torus)
   streams = _schedule("all_reduce", kept).num_streams if kept else 1
-  return -(-m // streams) * streams
-
-
-def _to_grid(x: jax.Array, p: int, m: int, width: int, dtype) -> jax.Array:
-  """(p*m,) -> (p, width) with zero padding, in ``dtype``."""
-  grid = x.reshape(p, m).astype(dtype)
-  return jnp.pad(grid, ((0, 0), (0, width - m))) if width > m else grid
+  return ceil_div(m, streams) * streams
 
 
 def reduce_scatter(x: jax.Array, axes: AxisNames, torus: tuple[int, ...]) -> jax.Array:
@@ -135,7 +124,7 @@ def reduce_scatter(x: jax.Array, axes: AxisNames, torus: tuple[int, ...]) -> jax
   p = math.prod(torus)
   m = x.shape[0] // p
   width = _padded_width(m, torus)
-  grid = _to_grid(x, p, m, width, _accumulation_dtype(x.dtype))
+  grid = pad_chunks(x.astype(accumulation_dtype(x.dtype)), p, width)
   out = _execute("reduce_scatter", grid.reshape(torus + (width,)), axes, torus, x.dtype)
   return out.reshape(width)[:m].astype(x.dtype)
 
@@ -144,17 +133,16 @@ def all_gather(x: jax.Array, axes: AxisNames, torus: tuple[int, ...]) -> jax.Arr
   """(m,) -> (p*m,): every device's chunk, row-major over ``axes``."""
   p, m = math.prod(torus), x.shape[0]
   width = _padded_width(m, torus)
-  chunk = jnp.pad(x, (0, width - m)) if width > m else x
-  out = _execute("all_gather", chunk, axes, torus, x.dtype)
+  out = _execute("all_gather", pad_to(x, width), axes, torus, x.dtype)
   return out.reshape(p, width)[:, :m].reshape(p * m)
 
 
 def all_reduce(x: jax.Array, axes: AxisNames, torus: tuple[int, ...]) -> jax.Array:
   """(n,) -> (n,): the sum over ``axes``, identical on every device."""
   p, n = math.prod(torus), x.shape[0]
-  m = -(-n // p)
+  m = ceil_div(n, p)
   width = _padded_width(m, torus)
-  flat = jnp.pad(x, (0, p * m - n)) if p * m > n else x
-  grid = _to_grid(flat, p, m, width, _accumulation_dtype(x.dtype))
+  flat = pad_to(x.astype(accumulation_dtype(x.dtype)), p * m)
+  grid = pad_chunks(flat, p, width)
   out = _execute("all_reduce", grid.reshape(torus + (width,)), axes, torus, x.dtype)
   return out.reshape(p, width)[:, :m].reshape(p * m)[:n].astype(x.dtype)

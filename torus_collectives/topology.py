@@ -9,12 +9,21 @@ them so that this holds, including the wrap-around links of a torus slice. Elsew
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
+
+
+def most_square_shape(num_devices: int) -> tuple[int, int]:
+  """The most square ``X x Y`` factorisation of ``num_devices`` with ``X <= Y``."""
+  if num_devices < 1:
+    raise ValueError(f"{num_devices=} must be positive")
+  x = max(d for d in range(1, math.isqrt(num_devices) + 1) if num_devices % d == 0)
+  return x, num_devices // x
 
 
 def make_torus_mesh(

@@ -1,4 +1,4 @@
-"""The ``torus_collectives`` backend contract, implemented with the remote-DMA kernels.
+"""The collective backend contract of ``registry``, implemented with the remote-DMA kernels.
 
 Called inside the caller's ``shard_map`` with ``axes`` bound, on a 1-D per-device buffer:
 
@@ -39,100 +39,69 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import config as jax_config
 
-from kernels import torus_config as config_lib
-from kernels import torus_kernels
+from torus_collectives import platform
 from torus_collectives import schedule as schedule_lib
 from torus_collectives._vma import ensure_varying
-
-SUPPORTED_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32))
-# Generations whose libtpu cannot compile a Pallas remote DMA.
-UNSUPPORTED_TPU_KINDS = ("TPU v2", "TPU v3")
-
-
-def interpret_mode_active() -> bool:
-  """Whether the caller is inside ``pltpu.force_tpu_interpret_mode(...)``."""
-  return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
-
-
-def supports_device_kind(device_kind: str) -> bool:
-  """Whether the kernels compile for a TPU of this ``device_kind`` (v4 and newer)."""
-  return device_kind.startswith("TPU") and not any(
-    device_kind == k or device_kind.startswith(k + " ") for k in UNSUPPORTED_TPU_KINDS
-  )
+from torus_collectives.configs import LANES, KernelConfig
+from torus_collectives.kernels import torus_kernels
+from torus_collectives.layout import accumulation_dtype, ceil_div, pad_chunks, pad_to
 
 
 def _target() -> tuple[tuple[str, ...], str]:
   """(mesh axis names, device kind) of the ``shard_map`` being traced; checks the platform."""
-  mesh = jax.sharding.get_abstract_mesh()
-  device = mesh.abstract_device
-  platform = device.platform if device is not None else jax.default_backend()
-  kind = device.device_kind if device is not None else jax.devices()[0].device_kind
-  if platform == "tpu":
-    if not supports_device_kind(kind):
+  device = platform.target_device()
+  kind = device.device_kind
+  if device.platform == "tpu":
+    if not platform.pallas_compiles_for(kind):
       raise NotImplementedError(
         f"Pallas remote-DMA kernels do not compile for {kind!r}; use "
         "implementation='shard_map' (or 'auto', which picks it) on TPU v2/v3."
       )
-  elif not interpret_mode_active():
+  elif not platform.interpret_mode_active():
     raise ValueError(
-      f"implementation='pallas' needs a TPU, but this computation targets {platform!r}. "
+      f"implementation='pallas' needs a TPU, but this computation targets {device.platform!r}. "
       "To run the kernels on CPU in TPU interpret mode, trace the call inside "
       "`with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):`, or use "
       "implementation='auto'."
     )
-  return tuple(mesh.axis_names), kind
+  return tuple(jax.sharding.get_abstract_mesh().axis_names), kind
 
 
 def _check(x: jax.Array, axes: Sequence[str], torus: Sequence[int]) -> None:
-  if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
-    raise NotImplementedError(
-      f"the Pallas torus kernels support float32, bfloat16, float16 and int32, got {x.dtype=}"
-    )
   if x.ndim != 1 or len(axes) != len(torus) or len(axes) not in (1, 2):
     raise ValueError(
       f"expected a 1-D buffer and 1 or 2 torus axes, got {x.shape=}, {axes=}, {torus=}"
     )
 
 
-def _work_dtype(dtype) -> jnp.dtype:
-  """Reduction dtype: 16-bit floats are summed in float32."""
-  dtype = jnp.dtype(dtype)
-  return jnp.dtype(jnp.float32) if jnp.issubdtype(dtype, jnp.floating) else dtype
-
-
 class _Plan:
   """Schedules and padded layout for one collective on one buffer size."""
 
-  def __init__(
-    self, axes, torus, chunk_elements: int, itemsize: int, config: config_lib.KernelConfig | None
-  ):
+  def __init__(self, axes, torus, chunk_elements: int, itemsize: int, config: KernelConfig | None):
     self.axes, self.torus = tuple(axes), tuple(int(n) for n in torus)
     self.mesh_axes, device_kind = _target()
     variant = schedule_lib.default_variant(self.torus)
     self.reduce_scatter = schedule_lib.build("reduce_scatter", self.torus, variant)
     self.all_gather = schedule_lib.build("all_gather", self.torus, variant)
     self.streams = self.reduce_scatter.num_streams
-    rows = -(-chunk_elements // (self.streams * config_lib.LANES))
-    self.config = config or config_lib.default_config(rows, itemsize, device_kind)
+    rows = ceil_div(chunk_elements, self.streams * LANES)
+    self.config = config or KernelConfig.default(rows, itemsize, device_kind)
     block = self.config.block_rows
-    self.rows = -(-rows // block) * block
-    self.chunk_shape = (self.streams, self.rows, config_lib.LANES)
+    self.rows = ceil_div(rows, block) * block
+    self.chunk_shape = (self.streams, self.rows, LANES)
 
   def own_index(self) -> tuple:
     return tuple(lax.axis_index(a) for a in self.axes)
 
   def to_grid(self, x: jax.Array, m: int) -> jax.Array:
     """``[p*m]`` -> zero-padded ``(*torus, S, R, 128)``."""
-    p = math.prod(self.torus)
-    padded = math.prod(self.chunk_shape)
-    x = jnp.pad(x.reshape(p, m), ((0, 0), (0, padded - m)))
-    return x.reshape(self.torus + self.chunk_shape)
+    grid = pad_chunks(x, math.prod(self.torus), math.prod(self.chunk_shape))
+    return grid.reshape(self.torus + self.chunk_shape)
 
   def to_chunk(self, x: jax.Array) -> jax.Array:
     """``[m]`` -> zero-padded ``(S, R, 128)``."""
-    return jnp.pad(x, (0, math.prod(self.chunk_shape) - x.size)).reshape(self.chunk_shape)
+    return pad_to(x, math.prod(self.chunk_shape)).reshape(self.chunk_shape)
 
   def run_reduce_scatter(self, grid: jax.Array) -> jax.Array:
     """``(*torus, S, R, 128)`` -> this device's fully reduced ``(S, R, 128)`` chunk."""
@@ -158,7 +127,7 @@ def reduce_scatter(
   axes: Sequence[str],
   torus: Sequence[int],
   *,
-  config: config_lib.KernelConfig | None = None,
+  config: KernelConfig | None = None,
 ) -> jax.Array:
   """``[p*m] -> [m]``: this device's chunk of the sum over the torus."""
   _check(x, axes, torus)
@@ -168,7 +137,7 @@ def reduce_scatter(
   if x.size % p:
     raise ValueError(f"reduce_scatter needs a size divisible by {p} devices, got {x.size=}")
   m = x.size // p
-  work = _work_dtype(x.dtype)
+  work = accumulation_dtype(x.dtype)
   plan = _Plan(axes, torus, m, work.itemsize, config)
   own = plan.run_reduce_scatter(plan.to_grid(x.astype(work), m))
   return own.reshape(-1)[:m].astype(x.dtype)
@@ -179,7 +148,7 @@ def all_gather(
   axes: Sequence[str],
   torus: Sequence[int],
   *,
-  config: config_lib.KernelConfig | None = None,
+  config: KernelConfig | None = None,
 ) -> jax.Array:
   """``[m] -> [p*m]``: the chunks of all devices, row-major over ``axes``."""
   _check(x, axes, torus)
@@ -195,18 +164,18 @@ def all_reduce(
   axes: Sequence[str],
   torus: Sequence[int],
   *,
-  config: config_lib.KernelConfig | None = None,
+  config: KernelConfig | None = None,
 ) -> jax.Array:
   """``[n] -> [n]``: the sum over the torus, on every device."""
   _check(x, axes, torus)
   n, p = x.size, math.prod(torus)
   if p == 1:
     return x
-  work = _work_dtype(x.dtype)
-  plan = _Plan(axes, torus, -(-n // p), work.itemsize, config)
+  work = accumulation_dtype(x.dtype)
+  plan = _Plan(axes, torus, ceil_div(n, p), work.itemsize, config)
   # Where the chunk boundaries fall is internal to an all-reduce, so the buffer is padded
   # once at its end (a prefix-preserving reshape) rather than chunk by chunk.
   grid_shape = plan.torus + plan.chunk_shape
-  padded = jnp.pad(x.astype(work), (0, math.prod(grid_shape) - n)).reshape(grid_shape)
+  padded = pad_to(x.astype(work), math.prod(grid_shape)).reshape(grid_shape)
   own = plan.run_reduce_scatter(padded).astype(x.dtype)
   return plan.run_all_gather(own).reshape(-1)[:n]

@@ -8,7 +8,7 @@ These are static figures, not measurements. XLA cannot see inside a Mosaic kerne
 each kernel declares its traffic (operands plus results) in a ``pl.CostEstimate``; the
 rest, e.g. relayout copies around the kernels, is XLA's own count.
 
-  JAX_PLATFORMS=cpu python -m kernels.batch_norm_report [--batch 32]
+  JAX_PLATFORMS=cpu python -m bench.batch_norm_report [--batch 32]
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ inside a ``shard_map`` over such a topology and prints what XLA's cost and memor
 say about the Pallas kernels against XLA's own ``psum``. These are compiler estimates, not
 measurements: nothing here runs on a TPU.
 
-    JAX_PLATFORMS=cpu python -m kernels.aot_report                      # v5e:16x16, ResNet-50
-    JAX_PLATFORMS=cpu python -m kernels.aot_report --topology=v6e:4x4 --elements=1000000
+    JAX_PLATFORMS=cpu python -m bench.aot_report                       # v5e:16x16, ResNet-50
+    JAX_PLATFORMS=cpu python -m bench.aot_report --topology=v6e:4x4 --elements=1000000
 
 Never pass a v2/v3 topology with ``implementation="pallas"``: libtpu aborts the process
 when compiling a Pallas remote DMA for those generations (the kernels refuse them first).
@@ -16,7 +16,6 @@ when compiling a Pallas remote DMA for those generations (the kernels refuse the
 from __future__ import annotations
 
 import argparse
-import math
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
+from torus_collectives.topology import most_square_shape
 
 # Trainable parameters of ResNet-50 (ImageNet, 1000 classes): its gradient's size.
 RESNET50_PARAMETERS = 25_557_032
@@ -37,14 +37,16 @@ def topology_mesh(topology_name: str) -> Mesh:
   devices = np.array(
     topologies.get_topology_desc(platform="tpu", topology_name=topology_name).devices
   )
-  x = 2 ** (int(math.log2(devices.size)) // 2)
-  return Mesh(devices.reshape(x, devices.size // x), AXES, axis_types=(AxisType.Auto,) * 2)
+  # Plain device order: v4 exposes two devices per chip, which mesh_utils refuses to lay out.
+  shape = most_square_shape(devices.size)
+  return Mesh(devices.reshape(shape), AXES, axis_types=(AxisType.Auto,) * 2)
 
 
 def lower_all_reduce(
   mesh: Mesh, elements: int, dtype, implementation: str, axes: tuple[str, ...] = AXES
 ):
-  """``tc.all_reduce`` of a per-device ``[elements]`` buffer, lowered for ``mesh``."""
+  """``tc.all_reduce`` over ``axes`` of a per-device ``[elements]`` buffer, lowered for
+  ``mesh`` (every device holds its own buffer; the reduction spans ``axes`` only)."""
   spec = P(AXES)
 
   def per_device(v):

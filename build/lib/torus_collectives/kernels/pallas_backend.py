@@ -1,0 +1,181 @@
+"""The collective backend contract of ``registry``, implemented with the remote-DMA kernels.
+
+Called inside the caller's ``shard_map`` with ``axes`` bound, on a 1-D per-device buffer:
+
+* ``reduce_scatter(x, axes, torus)``: ``[p*m] -> [m]`` == ``lax.psum_scatter(x, axes, tiled=True)``
+* ``all_gather(x, axes, torus)``: ``[m] -> [p*m]`` == ``lax.all_gather(x, axes, tiled=True)``
+* ``all_reduce(x, axes, torus)``: ``[n] -> [n]`` == ``lax.psum(x, axes)``
+
+All three follow ``schedule.default_variant(torus)``: a bidirectional ring on one axis, the
+paper's split 2-D torus on two. The all-reduce is that reduce-scatter followed by that
+all-gather, which is exactly the all-reduce schedule (its streams are the reduce-scatter
+phases followed by the all-gather phases, in lockstep).
+
+Layout and padding: chunk ``c`` (``m`` elements) is zero-padded to ``S * R * 128`` elements
+and viewed as ``S`` stream slices of ``R`` rows of 128 lanes, ``R`` a multiple of the VMEM
+block (itself a multiple of 16 rows, the bfloat16 tiling). The all-reduce instead pads the
+whole buffer once at its end. Any ``m``, ``n`` is accepted; the padding travels over the
+links, so tiny buffers pay for up to a block of rows per stream.
+
+dtypes: float32 and int32 reduce in their own type; bfloat16 and float16 are reduced in
+float32 (the reduce-scatter's partial sums travel as float32) and rounded once at the end,
+and the all-gather moves the 16-bit values.
+
+Inside ``shard_map`` with ``check_vma=True`` (the default) or ``False``: the kernel outputs
+are typed varying over the torus axes, like the ``ppermute`` fallback's, and the public
+layer marks the all-reduce invariant.
+
+Platforms: on TPU v4 and newer the kernels compile with Mosaic. Elsewhere they run only in
+TPU interpret mode, when the caller traces them inside
+``pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(...))``. TPU v2/v3 are refused:
+libtpu cannot compile Pallas remote DMAs for them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from torus_collectives import platform
+from torus_collectives import schedule as schedule_lib
+from torus_collectives._vma import ensure_varying
+from torus_collectives.configs import LANES, KernelConfig
+from torus_collectives.kernels import torus_kernels
+from torus_collectives.layout import accumulation_dtype, ceil_div, pad_chunks, pad_to
+
+
+def _target() -> tuple[tuple[str, ...], str]:
+  """(mesh axis names, device kind) of the ``shard_map`` being traced; checks the platform."""
+  device = platform.target_device()
+  kind = device.device_kind
+  if device.platform == "tpu":
+    if not platform.pallas_compiles_for(kind):
+      raise NotImplementedError(
+        f"Pallas remote-DMA kernels do not compile for {kind!r}; use "
+        "implementation='shard_map' (or 'auto', which picks it) on TPU v2/v3."
+      )
+  elif not platform.interpret_mode_active():
+    raise ValueError(
+      f"implementation='pallas' needs a TPU, but this computation targets {device.platform!r}. "
+      "To run the kernels on CPU in TPU interpret mode, trace the call inside "
+      "`with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):`, or use "
+      "implementation='auto'."
+    )
+  return tuple(jax.sharding.get_abstract_mesh().axis_names), kind
+
+
+def _check(x: jax.Array, axes: Sequence[str], torus: Sequence[int]) -> None:
+  if x.ndim != 1 or len(axes) != len(torus) or len(axes) not in (1, 2):
+    raise ValueError(
+      f"expected a 1-D buffer and 1 or 2 torus axes, got {x.shape=}, {axes=}, {torus=}"
+    )
+
+
+class _Plan:
+  """Schedules and padded layout for one collective on one buffer size."""
+
+  def __init__(self, axes, torus, chunk_elements: int, itemsize: int, config: KernelConfig | None):
+    self.axes, self.torus = tuple(axes), tuple(int(n) for n in torus)
+    self.mesh_axes, device_kind = _target()
+    variant = schedule_lib.default_variant(self.torus)
+    self.reduce_scatter = schedule_lib.build("reduce_scatter", self.torus, variant)
+    self.all_gather = schedule_lib.build("all_gather", self.torus, variant)
+    self.streams = self.reduce_scatter.num_streams
+    rows = ceil_div(chunk_elements, self.streams * LANES)
+    self.config = config or KernelConfig.default(rows, itemsize, device_kind)
+    block = self.config.block_rows
+    self.rows = ceil_div(rows, block) * block
+    self.chunk_shape = (self.streams, self.rows, LANES)
+
+  def own_index(self) -> tuple:
+    return tuple(lax.axis_index(a) for a in self.axes)
+
+  def to_grid(self, x: jax.Array, m: int) -> jax.Array:
+    """``[p*m]`` -> zero-padded ``(*torus, S, R, 128)``."""
+    grid = pad_chunks(x, math.prod(self.torus), math.prod(self.chunk_shape))
+    return grid.reshape(self.torus + self.chunk_shape)
+
+  def to_chunk(self, x: jax.Array) -> jax.Array:
+    """``[m]`` -> zero-padded ``(S, R, 128)``."""
+    return pad_to(x, math.prod(self.chunk_shape)).reshape(self.chunk_shape)
+
+  def run_reduce_scatter(self, grid: jax.Array) -> jax.Array:
+    """``(*torus, S, R, 128)`` -> this device's fully reduced ``(S, R, 128)`` chunk."""
+    acc = torus_kernels.reduce_scatter_call(
+      ensure_varying(grid, self.axes),
+      self.reduce_scatter,
+      self.axes,
+      self.mesh_axes,
+      self.config.block_rows,
+    )
+    return acc[self.own_index()]
+
+  def run_all_gather(self, chunk: jax.Array) -> jax.Array:
+    """``(S, R, 128)`` -> ``(p, S*R*128)``."""
+    out = torus_kernels.all_gather_call(
+      ensure_varying(chunk, self.axes), self.all_gather, self.axes, self.mesh_axes
+    )
+    return out.reshape(math.prod(self.torus), -1)
+
+
+def reduce_scatter(
+  x: jax.Array,
+  axes: Sequence[str],
+  torus: Sequence[int],
+  *,
+  config: KernelConfig | None = None,
+) -> jax.Array:
+  """``[p*m] -> [m]``: this device's chunk of the sum over the torus."""
+  _check(x, axes, torus)
+  p = math.prod(torus)
+  if p == 1:
+    return x
+  if x.size % p:
+    raise ValueError(f"reduce_scatter needs a size divisible by {p} devices, got {x.size=}")
+  m = x.size // p
+  work = accumulation_dtype(x.dtype)
+  plan = _Plan(axes, torus, m, work.itemsize, config)
+  own = plan.run_reduce_scatter(plan.to_grid(x.astype(work), m))
+  return own.reshape(-1)[:m].astype(x.dtype)
+
+
+def all_gather(
+  x: jax.Array,
+  axes: Sequence[str],
+  torus: Sequence[int],
+  *,
+  config: KernelConfig | None = None,
+) -> jax.Array:
+  """``[m] -> [p*m]``: the chunks of all devices, row-major over ``axes``."""
+  _check(x, axes, torus)
+  if math.prod(torus) == 1:
+    return x
+  m = x.size
+  plan = _Plan(axes, torus, m, jnp.dtype(x.dtype).itemsize, config)
+  return plan.run_all_gather(plan.to_chunk(x))[:, :m].reshape(-1)
+
+
+def all_reduce(
+  x: jax.Array,
+  axes: Sequence[str],
+  torus: Sequence[int],
+  *,
+  config: KernelConfig | None = None,
+) -> jax.Array:
+  """``[n] -> [n]``: the sum over the torus, on every device."""
+  _check(x, axes, torus)
+  n, p = x.size, math.prod(torus)
+  if p == 1:
+    return x
+  work = accumulation_dtype(x.dtype)
+  plan = _Plan(axes, torus, ceil_div(n, p), work.itemsize, config)
+  # Where the chunk boundaries fall is internal to an all-reduce, so the buffer is padded
+  # once at its end (a prefix-preserving reshape) rather than chunk by chunk.
+  grid_shape = plan.torus + plan.chunk_shape
+  padded = pad_to(x.astype(work), math.prod(grid_shape)).reshape(grid_shape)
+  own = plan.run_reduce_scatter(padded).astype(x.dtype)
+  return plan.run_all_gather(own).reshape(-1)[:n]

@@ -1,0 +1,117 @@
+"""Kernel tunables that callers may pass: ``KernelConfig`` (torus collectives) and
+``BlockSizes`` (batch norm), with their defaults per shape and TPU generation.
+
+They live in the core, not beside the kernels, so that the public API can take and
+validate them (``config=``, ``block_sizes=``) without importing Pallas. Both are frozen,
+self-validating dataclasses: a bad value raises ``ValueError`` when constructed.
+
+The torus kernels move data HBM to HBM with remote DMAs and stream the reductions through
+VMEM in blocks of ``block_rows`` x 128 lanes. A block is the unit of VMEM traffic: four
+blocks (the own partial sum and the received one, each double-buffered) are resident at a
+time. The batch-norm passes tile the activation, viewed as ``x[rows, channels]``, into
+``block_rows`` x ``block_channels`` blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from torus_collectives.layout import ceil_div
+
+LANES = 128
+# Sublane tiling of a (rows, 128) VMEM block: 8 rows for 32-bit types, 16 for bfloat16.
+# Every block is a multiple of 16 rows so one config serves all supported dtypes.
+ROW_MULTIPLE = 16
+
+# Default scoped-VMEM limit per generation, in bytes (XLA's defaults). The four resident
+# blocks use at most 1/8 of it, leaving the rest to whatever XLA schedules around the
+# collective. These are sizing rules, not tuned values: nothing was measured on a TPU.
+_SCOPED_VMEM_BYTES = {
+  "TPU v4": 16 << 20,
+  "TPU v5 lite": 16 << 20,
+  "TPU v5": 16 << 20,
+  "TPU v5p": 16 << 20,
+  "TPU v6 lite": 32 << 20,
+}
+_FALLBACK_SCOPED_VMEM_BYTES = 16 << 20
+
+# Batch norm: float32 elements per block (1 MiB), so a pass's double-buffered inputs,
+# outputs and float32 temporaries stay well inside the 16 MiB of scoped VMEM of
+# v4/v5e/v5p; and the widest channel block.
+BN_BLOCK_ELEMENTS = 1 << 18
+BN_MAX_BLOCK_CHANNELS = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Block size of the VMEM streaming in the torus reduce-scatter kernel.
+
+  Attributes:
+    block_rows: rows of 128 lanes per VMEM block; a positive multiple of 16. Each stream's
+      slice of a chunk is padded to a multiple of it.
+  """
+
+  block_rows: int = 512
+
+  def __post_init__(self):
+    if (
+      not isinstance(self.block_rows, int) or self.block_rows <= 0 or self.block_rows % ROW_MULTIPLE
+    ):
+      raise ValueError(
+        f"block_rows must be a positive multiple of {ROW_MULTIPLE} (the bfloat16 sublane "
+        f"tiling), got {self.block_rows=}"
+      )
+
+  @classmethod
+  def default(cls, rows_per_slice: int, itemsize: int, device_kind: str) -> KernelConfig:
+    """A config for slices of ``rows_per_slice`` rows of ``itemsize``-byte elements.
+
+    The four resident blocks may use 1/8 of the generation's scoped VMEM. A slice takes
+    the fewest blocks that respect that cap, each as small as that count allows, so
+    padding a slice to a whole number of blocks adds under 16 rows per block.
+    """
+    vmem = _SCOPED_VMEM_BYTES.get(device_kind, _FALLBACK_SCOPED_VMEM_BYTES)
+    cap = max(ROW_MULTIPLE, (vmem // 8 // (4 * LANES * itemsize)) // ROW_MULTIPLE * ROW_MULTIPLE)
+    rows = max(rows_per_slice, 1)
+    blocks = ceil_div(rows, cap)
+    return cls(block_rows=ceil_div(rows, blocks * ROW_MULTIPLE) * ROW_MULTIPLE)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Block shape of every batch-norm pass: ``block_rows`` x ``block_channels`` of the
+  (lane-folded) ``x[rows, channels]``."""
+
+  block_rows: int
+  block_channels: int
+
+  def __post_init__(self):
+    if self.block_rows < 1 or self.block_channels < 1:
+      raise ValueError(f"block sizes must be positive, got {self}")
+
+  @classmethod
+  def default(cls, rows: int, channels: int) -> BlockSizes:
+    """About ``BN_BLOCK_ELEMENTS`` per block, at most ``BN_MAX_BLOCK_CHANNELS`` lanes."""
+    block_channels = channels
+    if channels > BN_MAX_BLOCK_CHANNELS and channels % LANES == 0:
+      block_channels = math.gcd(channels, BN_MAX_BLOCK_CHANNELS)
+    block_rows = max(
+      ROW_MULTIPLE, BN_BLOCK_ELEMENTS // block_channels // ROW_MULTIPLE * ROW_MULTIPLE
+    )
+    return cls(block_rows=min(block_rows, rows), block_channels=block_channels)
+
+  def check(self, rows: int, channels: int) -> None:
+    """Raises ValueError unless these blocks tile an ``x[rows, channels]`` legally."""
+    if channels % self.block_channels or (
+      self.block_channels != channels and self.block_channels % LANES
+    ):
+      raise ValueError(
+        f"block_channels={self.block_channels} must divide {channels=} and be a "
+        f"multiple of {LANES} or all of them"
+      )
+    if self.block_rows != rows and (self.block_rows % ROW_MULTIPLE or self.block_rows > rows):
+      raise ValueError(
+        f"block_rows={self.block_rows} must be a multiple of {ROW_MULTIPLE} no larger "
+        f"than {rows=}, or all of them"
+      )

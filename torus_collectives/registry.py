@@ -1,0 +1,128 @@
+"""The one registry of implementations: which exist, what each supports, what "auto" picks.
+
+Four ops have implementations: the three collectives (``all_reduce``, ``reduce_scatter``,
+``all_gather``) and ``batch_norm``.
+
+* ``"xla"``: ``jax.lax`` for the collectives, the jnp passes of ``batch_norm_passes`` (fused
+  by XLA) for batch norm. The reference; runs everywhere, on whatever lax accepts.
+* ``"shard_map"``: the torus schedule executed with ``lax.ppermute`` (collectives only).
+* ``"pallas"``: the remote-DMA torus kernels and the fused batch-norm kernels of
+  ``torus_collectives.kernels``; TPU v4 and newer, or TPU interpret mode on any host.
+* ``"auto"``: one rule for every op, ``auto_implementation``.
+
+The ``auto`` rule: XLA off TPU, where it was measured fastest (the benchmarks in ``bench/``
+show XLA's in-process collectives ahead of any ppermute schedule on CPU; on GPU nothing was
+measured, so XLA's NCCL collectives stay). On TPU v4 and newer the Pallas kernels, on TPU
+v2/v3 the shard_map schedule (these TPU choices are not measured). An op or dtype the
+chosen implementation does not support falls back to XLA.
+
+Backends are imported lazily, so ``import torus_collectives`` never imports Pallas.
+A collective backend provides three functions on 1-D per-device buffers, called inside the
+caller's ``shard_map`` with ``axes`` bound and ``torus`` their sizes (same order):
+
+* ``reduce_scatter(x, axes, torus)``: ``(p*m,) -> (m,)``, the own chunk of the sum, chunks
+  row-major over ``axes`` (``lax.psum_scatter(x, axes, tiled=True)``);
+* ``all_gather(x, axes, torus)``: ``(m,) -> (p*m,)`` (``lax.all_gather(x, axes, tiled=True)``);
+* ``all_reduce(x, axes, torus)``: ``(n,) -> (n,)`` (``lax.psum(x, axes)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from torus_collectives import platform
+from torus_collectives.batch_norm_passes import REFERENCE, Passes
+from torus_collectives.configs import KernelConfig
+
+Implementation = Literal["auto", "xla", "shard_map", "pallas"]
+IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(Implementation)
+Op = Literal["all_reduce", "reduce_scatter", "all_gather", "batch_norm"]
+OPS: tuple[str, ...] = typing.get_args(Op)
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+
+_SUMMED = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32))
+_FLOATS = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+
+# The dtypes each implementation supports, per op it implements; None: whatever lax takes.
+SUPPORTED_DTYPES: dict[str, dict[str, tuple[jnp.dtype, ...] | None]] = {
+  "xla": dict.fromkeys(OPS),
+  "shard_map": dict.fromkeys(COLLECTIVES, _SUMMED),
+  "pallas": {**dict.fromkeys(COLLECTIVES, _SUMMED), "batch_norm": _FLOATS},
+}
+
+
+def supports(implementation: str, op: Op, dtype) -> bool:
+  """Whether ``implementation`` (not "auto") runs ``op`` on ``dtype``."""
+  table = SUPPORTED_DTYPES[implementation]
+  return op in table and (table[op] is None or jnp.dtype(dtype) in table[op])
+
+
+def auto_implementation(op: Op = "all_reduce", dtype=jnp.float32) -> str:
+  """The implementation "auto" picks for ``op`` on ``dtype`` on the traced-for device."""
+  device = platform.target_device()
+  choice = "xla"
+  if device.platform == "tpu":
+    choice = "pallas" if platform.pallas_compiles_for(device.device_kind) else "shard_map"
+  return choice if supports(choice, op, dtype) else "xla"
+
+
+def resolve(op: Op, implementation: str, dtype) -> str:
+  """The concrete implementation to run; raises ValueError on a name or dtype it lacks."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"unknown {implementation=}: implementation must be one of {IMPLEMENTATIONS}")
+  if implementation == "auto":
+    return auto_implementation(op, dtype)
+  if op not in SUPPORTED_DTYPES[implementation]:
+    offered = [i for i in IMPLEMENTATIONS if i == "auto" or op in SUPPORTED_DTYPES[i]]
+    raise ValueError(f'{op} has no implementation="{implementation}"; choose one of {offered}')
+  if not supports(implementation, op, dtype):
+    supported = ", ".join(d.name for d in SUPPORTED_DTYPES[implementation][op])
+    raise ValueError(
+      f'dtype {jnp.dtype(dtype).name} is not supported by {op} implementation="{implementation}" '
+      f'(supported: {supported}); cast the input, or use implementation="auto" or "xla"'
+    )
+  return implementation
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveBackend:
+  reduce_scatter: Callable[..., jax.Array]
+  all_gather: Callable[..., jax.Array]
+  all_reduce: Callable[..., jax.Array]
+
+
+def collective_backend(name: str, config: KernelConfig | None = None) -> CollectiveBackend:
+  """The functions behind a concrete, non-"xla" collective implementation.
+
+  ``config`` tunes the Pallas kernels; the other implementations have nothing to tune.
+  """
+  if name == "shard_map":
+    from torus_collectives import shard_map_backend as impl
+
+    return CollectiveBackend(impl.reduce_scatter, impl.all_gather, impl.all_reduce)
+  if name == "pallas":
+    from torus_collectives.kernels import pallas_backend as impl
+
+    def with_config(fn):
+      return functools.partial(fn, config=config)
+
+    return CollectiveBackend(
+      with_config(impl.reduce_scatter), with_config(impl.all_gather), with_config(impl.all_reduce)
+    )
+  raise ValueError(f"no collective backend named {name!r}")
+
+
+def batch_norm_passes(name: str) -> Passes:
+  """The per-replica batch-norm passes of a concrete implementation."""
+  if name == "pallas":
+    from torus_collectives.kernels import batch_norm as impl
+
+    return impl.PALLAS
+  return REFERENCE
