@@ -10,6 +10,7 @@ mode) and checks that neither stand-in was touched or shadowed.
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -27,10 +28,17 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> pathlib.Path:
+  # Built from a copy of the sources, so that no stale build/ folder of the checkout can
+  # leak files into the wheel, and the checkout stays untouched.
+  source = tmp_path_factory.mktemp("source")
+  for name in ("pyproject.toml", "README.md"):
+    shutil.copy(ROOT / name, source / name)
+  for name in ("torus_collectives", "kernels"):
+    shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
   out = tmp_path_factory.mktemp("wheel")
   subprocess.run(
     [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
-    + ["-w", str(out), str(ROOT)],
+    + ["-w", str(out), str(source)],
     check=True,
     timeout=300,
   )
