@@ -492,12 +492,12 @@ def test_replicated_input_is_summed_as_lax_does(impl):
 @pytest.mark.parametrize("impl", WITH_PALLAS)
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_unbound_axis_name(impl, check_vma):
-  """"auto"/"xla" raise what lax raises (NameError, or lax.psum's AssertionError under
+  """ "auto"/"xla" raise what lax raises (NameError, or lax.psum's AssertionError under
   check_vma=True); the torus implementations raise NameError."""
   mesh, x = _mesh(MESH), _data()
   for op in ("psum", "psum_scatter", "all_gather"):
-    build = lambda ops: lambda: _shard_map(
-      _local(lambda v: getattr(ops, op)(v, "z")), mesh, x, check_vma=check_vma
+    build = lambda ops: (
+      lambda: _shard_map(_local(lambda v: getattr(ops, op)(v, "z")), mesh, x, check_vma=check_vma)
     )
     with pytest.raises(Exception) as lax_error:
       _run(None, build)
@@ -538,11 +538,13 @@ def test_zero_size_and_partial_manual(impl):
 
   check(impl, build)
   x = _data((8, 8, 3))
-  partial = lambda ops: lambda: jax.jit(
-    jax.shard_map(
-      lambda v: ops.psum(v, "y"), mesh=mesh, in_specs=P("y"), out_specs=P(), axis_names={"y"}
-    )
-  )(x)
+  partial = lambda ops: (
+    lambda: jax.jit(
+      jax.shard_map(
+        lambda v: ops.psum(v, "y"), mesh=mesh, in_specs=P("y"), out_specs=P(), axis_names={"y"}
+      )
+    )(x)
+  )
   if impl == "pallas":
     with pytest.raises(ValueError, match="every mesh axis manual"):
       _run(impl, partial)

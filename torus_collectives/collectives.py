@@ -63,7 +63,7 @@ def _group_tiles(tile: tuple[int, ...], sizes: tuple[int, ...]) -> list[tuple[in
   return [tuple(g) for g in blocks.transpose(order).reshape(-1, math.prod(tile)).tolist()]
 
 
-def _tile_of(groups, sizes: tuple[int, ...], ordered: bool) -> tuple[int, ...] | None:
+def tile_of_groups(groups, sizes: tuple[int, ...], ordered: bool) -> tuple[int, ...] | None:
   """The tile shape whose aligned tiles are exactly ``groups`` (each listed row-major when
   ``ordered``), or None."""
   groups = [tuple(int(i) for i in g) for g in groups]
@@ -89,8 +89,6 @@ class _Call:
 
   def __init__(self, op, leaves, axis_name, groups, to, implementation):
     names = _names(axis_name)
-    if len(set(map(_hashable_key, names))) != len(names):
-      raise ValueError(f"{axis_name=} names an axis twice")
     mesh = jax.sharding.get_abstract_mesh()
     manual = frozenset(getattr(mesh, "manual_axes", ()))
     env = jax_core.get_axis_env()
@@ -101,7 +99,7 @@ class _Call:
     self.tile = self.sizes
     group_kind = None
     if groups is not None and self.sizes:
-      tile = _tile_of(groups, self.sizes, ordered=op != "all_reduce")
+      tile = tile_of_groups(groups, self.sizes, ordered=op != "all_reduce")
       group_kind = "other" if tile is None else "tile"
       self.tile = tile or self.sizes
     elif groups is not None:
@@ -119,6 +117,8 @@ class _Call:
       partial_manual=bool(manual) and manual != frozenset(mesh.axis_names),
     )
     self.implementation = registry.resolve_collective(implementation, request)
+    if self.implementation != "xla" and len(set(names)) != len(names):
+      raise ValueError(f"{axis_name=} names an axis twice")
     self.mesh_names = tuple(a for a in names if a in manual)
 
   def params(self, config, invariant=False) -> dict[str, Any]:
@@ -146,14 +146,6 @@ class _Call:
         f"of the axes {self.names}, but its type is {jax.typeof(leaf)}"
       )
     return ensure_varying(leaf, self.mesh_names)
-
-
-def _hashable_key(name):
-  try:
-    hash(name)
-  except TypeError:
-    raise TypeError(f"axis names must be hashable, got {name!r}") from None
-  return name
 
 
 def _buckets(leaves: list[jax.Array]) -> dict[jnp.dtype, list[int]]:

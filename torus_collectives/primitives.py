@@ -28,6 +28,7 @@ Lowering traces the chosen backend (``registry.collective_backend``) inside the 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -37,7 +38,7 @@ from jax._src import core as jax_core
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from torus_collectives import registry
+from torus_collectives import platform, registry
 from torus_collectives._vma import vma_checked
 from torus_collectives.layout import accumulation_dtype
 
@@ -65,30 +66,35 @@ def _out_length(kind: str, n: int, tile) -> int:
   return {"reduce_scatter": n // max(p, 1), "all_gather": n * p, "all_reduce": n}[kind]
 
 
+def _run(kind, x, *, axes, sizes, tile, impl, config, invariant):
+  """The backend's collective: what the primitive lowers to."""
+  del invariant  # a type, not a computation
+  out = _out_length(kind, x.shape[0], tile)
+  if out == 0 or x.shape[0] == 0:
+    return jnp.zeros((out,), x.dtype)
+  backend = registry.collective_backend(impl, config)
+  groups = {} if tuple(tile) == tuple(sizes) else {"tile": tuple(tile)}
+  return getattr(backend, kind)(x, tuple(axes), tuple(sizes), **groups)
+
+
+def _effects(kind, aval, params):
+  """The backend's effects: none, except the callbacks of TPU interpret mode."""
+  if params["impl"] != "pallas" or not platform.interpret_mode_active():
+    return set()
+  return set(jax.make_jaxpr(functools.partial(_run, kind, **params))(aval).effects)
+
+
 def _abstract_eval(kind):
-  def rule(aval, *, axes, sizes, tile, impl, config, invariant):
-    del sizes, impl, config
-    out = aval.update(shape=(_out_length(kind, aval.shape[0], tile),))
-    if not vma_checked():
-      return out
-    varying = frozenset(aval.mat.varying)
-    varying = varying - frozenset(axes) if invariant else varying | frozenset(axes)
-    return out.update(manual_axis_type=aval.mat.update(varying=varying))
+  def rule(aval, **params):
+    out = aval.update(shape=(_out_length(kind, aval.shape[0], params["tile"]),))
+    if vma_checked():
+      varying = frozenset(aval.mat.varying)
+      axes = frozenset(params["axes"])
+      varying = varying - axes if params["invariant"] else varying | axes
+      out = out.update(manual_axis_type=aval.mat.update(varying=varying))
+    return out, _effects(kind, aval, params)
 
   return rule
-
-
-def _lowering(kind):
-  def run(x, *, axes, sizes, tile, impl, config, invariant):
-    del invariant  # a type, not a computation
-    out = _out_length(kind, x.shape[0], tile)
-    if out == 0 or x.shape[0] == 0:
-      return jnp.zeros((out,), x.dtype)
-    backend = registry.collective_backend(impl, config)
-    groups = {} if tuple(tile) == tuple(sizes) else {"tile": tuple(tile)}
-    return getattr(backend, kind)(x, tuple(axes), tuple(sizes), **groups)
-
-  return mlir.lower_fun(run, multiple_results=False)
 
 
 # Transposes (linear in the cotangent).
@@ -190,8 +196,8 @@ def _batcher(kind):
 
 
 for _kind, _prim in PRIMITIVES.items():
-  _prim.def_abstract_eval(_abstract_eval(_kind))
-  mlir.register_lowering(_prim, _lowering(_kind))
+  _prim.def_effectful_abstract_eval(_abstract_eval(_kind))
+  mlir.register_lowering(_prim, mlir.lower_fun(functools.partial(_run, _kind), False))
   ad.deflinear2(_prim, _transpose(_kind))
   batching.fancy_primitive_batchers[_prim] = _batcher(_kind)
 del _kind, _prim
