@@ -192,7 +192,7 @@ def test_64_bit_dtypes(impl):
         def body(v):
           return ops.psum(v, XY), ops.psum_scatter(v, "y", tiled=True), ops.all_gather(v, "x")
 
-        return lambda: _shard_map(_local(body), mesh, x)
+        return lambda x=x: _shard_map(_local(body), mesh, x)
 
       check(impl, build)
 
@@ -496,7 +496,7 @@ def test_unbound_axis_name(impl, check_vma):
   check_vma=True); the torus implementations raise NameError."""
   mesh, x = _mesh(MESH), _data()
   for op in ("psum", "psum_scatter", "all_gather"):
-    build = lambda ops: (
+    build = lambda ops, op=op: (
       lambda: _shard_map(_local(lambda v: getattr(ops, op)(v, "z")), mesh, x, check_vma=check_vma)
     )
     with pytest.raises(Exception) as lax_error:

@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import dtypes
