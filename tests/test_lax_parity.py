@@ -186,13 +186,13 @@ def test_64_bit_dtypes(impl):
   with jax.enable_x64(True):
     mesh = _mesh(MESH)
     for dtype in (np.float64, np.int64, np.complex128):
-      x = _data((8, 8, 2), np.int8).astype(dtype)
 
-      def build(ops):
+      def build(ops, dtype=dtype):
         def body(v):
           return ops.psum(v, XY), ops.psum_scatter(v, "y", tiled=True), ops.all_gather(v, "x")
 
-        return lambda x=x: _shard_map(_local(body), mesh, x)
+        x = _data((8, 8, 2), np.int8).astype(dtype)
+        return lambda: _shard_map(_local(body), mesh, x)
 
       check(impl, build)
 
