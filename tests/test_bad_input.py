@@ -101,3 +101,19 @@ def test_torus_mesh_is_auto_typed():
   np.testing.assert_array_equal(
     np.vectorize(lambda d: d.id)(mesh.devices), np.arange(8).reshape(2, 4)
   )
+
+
+def test_torus_mesh_shape_must_be_positive():
+  with pytest.raises(ValueError, match="at least one device"):
+    tc.make_torus_mesh((-2, -4))
+
+
+@pytest.mark.parametrize("group_size", [2.0, True, (1, 2.0)])
+def test_group_size_must_be_ints(group_size):
+  with pytest.raises(TypeError, match="group_size must be None, an int"):
+    tc.resolve_tile(group_size, (2, 4))
+
+
+def test_batch_norm_of_an_empty_batch():
+  with pytest.raises(ValueError, match="at least one row"):
+    tc.batch_norm(jnp.ones((0, 3)), jnp.ones(3), jnp.zeros(3))
