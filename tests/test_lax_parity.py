@@ -118,11 +118,14 @@ def _data(shape=(8, 8, 3), dtype=np.float32, seed=0):
 
 @pytest.mark.parametrize("impl", WITH_PALLAS)
 def test_pytree_all_ops(impl):
+  """One collective per dtype bucket; "pallas" (seconds per kernel) runs two of the ops."""
   mesh, x = _mesh(MESH), _data()
 
   def build(ops):
     def body(v):
       tree = {"a": v, "b": (v.astype(jnp.int32), v[:2, :1])}
+      if impl == "pallas":
+        return ops.psum(tree, XY), ops.all_gather(tree["b"][1], XY, axis=1, tiled=True)
       return (
         ops.psum(tree, XY),
         ops.pmean(tree, "y"),
@@ -288,12 +291,13 @@ def test_vmap_axis_inside_shard_map(impl):
   def build(ops):
     def body(v):  # v: (4, 8, 3) per device, vmapped over its first axis as "i"
       def per_row(r):
-        return (
+        outs = (
           ops.psum(r, ("i", "y")),
+          ops.psum(r, ("x", "i", "y")),
           ops.psum_scatter(r, "i", tiled=True),
           ops.all_gather(r, "i"),
-          ops.psum(r, "y"),
         )
+        return outs if impl == "pallas" else outs + (ops.psum(r, "y"),)
 
       return jax.vmap(per_row, axis_name="i")(v)
 
@@ -404,14 +408,20 @@ def _sum_of_ops(ops, axes=XY):
 
 @pytest.mark.parametrize("impl", WITH_PALLAS)
 def test_jvp_and_linearize(impl):
+  """ "pallas" (seconds per kernel) differentiates one all-reduce forward."""
   mesh = _mesh(MESH)
   x, t = _data((8, 8), seed=1), _data((8, 8), seed=2)
 
   def build(ops):
-    f = _sum_of_ops(ops)
+    if impl == "pallas":
+      f = lambda v: jnp.sum(ops.psum(v * v, XY) * v)
+    else:
+      f = _sum_of_ops(ops)
 
     def body(v, dv):
       y, dy = jax.jvp(f, (v[0],), (dv[0],))
+      if impl == "pallas":
+        return y[None], dy[None]
       _, lin = jax.linearize(f, v[0])
       return y[None], dy[None], lin(dv[0])[None]
 
