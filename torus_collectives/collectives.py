@@ -49,7 +49,8 @@ def _names(axis_name) -> tuple:
   return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
-def _check_config(config) -> None:
+def _check_args(implementation, config) -> None:
+  registry.check_name(implementation)
   if config is not None and not isinstance(config, KernelConfig):
     raise ValueError(f"config must be a tc.KernelConfig or None, got {config=}")
 
@@ -148,6 +149,20 @@ class _Call:
     return ensure_varying(leaf, self.mesh_names)
 
 
+def _torus_candidate(op: str, implementation: str, leaves) -> bool:
+  """Whether the call may run on a torus implementation; if not, lax runs it untouched
+  (so "xla", and "auto" wherever it means lax, inspect nothing lax would not)."""
+  if implementation == "xla" or not leaves:
+    return False
+  if implementation != "auto":
+    return True
+  try:
+    dtypes = {jnp.result_type(leaf) for leaf in leaves}
+  except TypeError:
+    return False
+  return any(registry.auto_implementation(op, d) != "xla" for d in dtypes)
+
+
 def _buckets(leaves: list[jax.Array]) -> dict[jnp.dtype, list[int]]:
   """Leaf indices per dtype, in order: each bucket travels as one buffer."""
   buckets: dict[jnp.dtype, list[int]] = {}
@@ -167,10 +182,10 @@ def _prepare(x, op):
 
 def _sum(op, x, axis_name, axis_index_groups, implementation, config):
   """psum on the torus, or on lax when "xla"/"auto" say so."""
-  _check_config(config)
-  leaves, arrays, treedef = _prepare(x, op)
-  if implementation == "xla" or not leaves:
+  _check_args(implementation, config)
+  if not _torus_candidate("all_reduce", implementation, jax.tree.leaves(x)):
     return None
+  leaves, arrays, treedef = _prepare(x, op)
   if all(not isinstance(leaf, jax_core.Tracer) for leaf in leaves):
     return None  # constants: lax multiplies by the axis size, no device work
   call = _Call("all_reduce", arrays, axis_name, axis_index_groups, "varying", implementation)
@@ -269,12 +284,10 @@ def psum_scatter(
       tiled=tiled,
     )
 
-  _check_config(config)
-  if implementation == "xla":
+  _check_args(implementation, config)
+  if not _torus_candidate("reduce_scatter", implementation, jax.tree.leaves(x)):
     return on_lax()
   leaves, arrays, treedef = _prepare(x, "all_gather")
-  if not leaves:
-    return on_lax()
   call = _Call("reduce_scatter", arrays, axis_name, axis_index_groups, "varying", implementation)
   if call.implementation == "xla":
     return on_lax()
@@ -354,12 +367,15 @@ def all_gather(
       x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled, to=to
     )
 
-  _check_config(config)
-  if implementation == "xla" or to not in ("varying", "reduced", "invarying"):
+  _check_args(implementation, config)
+  leaves = jax.tree.leaves(x)
+  if not _torus_candidate("all_gather", implementation, leaves) or to not in (
+    "varying",
+    "reduced",
+    "invarying",
+  ):
     return on_lax()
   leaves, arrays, treedef = _prepare(x, "all_gather")
-  if not leaves:
-    return on_lax()
   call = _Call("all_gather", arrays, axis_name, axis_index_groups, to, implementation)
   if call.implementation == "xla":
     return on_lax()

@@ -81,10 +81,15 @@ def auto_implementation(op: Op = "all_reduce", dtype=jnp.float32) -> str:
   return choice if supports(choice, op, dtype) else "xla"
 
 
-def resolve(op: Op, implementation: str, dtype) -> str:
-  """The concrete implementation to run; raises ValueError on a name or dtype it lacks."""
+def check_name(implementation: str) -> None:
+  """Raises ValueError unless ``implementation`` is one of ``IMPLEMENTATIONS``."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"unknown {implementation=}: implementation must be one of {IMPLEMENTATIONS}")
+
+
+def resolve(op: Op, implementation: str, dtype) -> str:
+  """The concrete implementation to run; raises ValueError on a name or dtype it lacks."""
+  check_name(implementation)
   if implementation == "auto":
     return auto_implementation(op, dtype)
   if op not in SUPPORTED_DTYPES[implementation]:
@@ -172,8 +177,7 @@ def unsupported(implementation: str, request: CollectiveRequest) -> Exception | 
 def resolve_collective(implementation: str, request: CollectiveRequest) -> str:
   """The concrete implementation for a collective call: "auto" falls back to "xla" for
   whatever its choice does not support; an explicit torus choice raises instead."""
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"unknown {implementation=}: implementation must be one of {IMPLEMENTATIONS}")
+  check_name(implementation)
   if implementation == "xla":
     return "xla"
   if implementation == "auto":
