@@ -68,6 +68,8 @@ def tile_of_groups(groups, sizes: tuple[int, ...], ordered: bool) -> tuple[int, 
   """The tile shape whose aligned tiles are exactly ``groups`` (each listed row-major when
   ``ordered``), or None."""
   groups = [tuple(int(i) for i in g) for g in groups]
+  if not groups or any(len(g) != len(groups[0]) for g in groups):
+    return None
   key = (lambda g: g) if ordered else (lambda g: tuple(sorted(g)))
   wanted = sorted(map(key, groups))
   divisors = [[t for t in range(1, n + 1) if n % t == 0] for n in sizes]
