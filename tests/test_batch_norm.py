@@ -298,6 +298,50 @@ def test_unknown_implementation_raises():
     batch_norm(jnp.ones((4, C)), jnp.ones(C), jnp.zeros(C), implementation="cuda")
 
 
-def test_module_with_several_feature_axes_raises():
-  with pytest.raises(NotImplementedError, match="one feature axis"):
-    BatchNorm(axis=(1, 2)).init(jax.random.key(0), jnp.ones((2, 3, 4)), use_running_average=False)
+# Every field of flax.linen.BatchNorm and its mask= argument, against flax itself.
+
+ROWS_GROUPS = [[0, 1], [2, 3], [4, 5], [6, 7]]  # (1, 2) tiles of the 2x4 mesh
+STRIDED_GROUPS = [[0, 2], [1, 3], [4, 6], [5, 7]]  # not tiles: flax's statistics via tc.pmean
+
+
+def _forward_in_shard_map(module, x, mask=None):
+  """Per-replica output and new batch stats of ``module`` (forward, training mode)."""
+
+  def body(x, mask):
+    variables = module.init(jax.random.key(0), x, use_running_average=False)
+    y, state = module.apply(
+      variables, x, use_running_average=False, mask=mask, mutable=["batch_stats"]
+    )
+    return y, jax.tree.map(lambda s: s[None], state["batch_stats"])
+
+  rep = P(AXES)
+  f = jax.shard_map(body, mesh=_mesh(), in_specs=(rep, rep), out_specs=(rep, rep), check_vma=False)
+  return jax.jit(f)(x, jnp.ones(x.shape, bool) if mask is None else mask)
+
+
+FLAX_FIELDS = [
+  dict(axis_index_groups=ROWS_GROUPS),
+  dict(axis_index_groups=STRIDED_GROUPS),
+  dict(use_fast_variance=False),
+  dict(use_fast_variance=True, axis=(2, 3)),
+  dict(force_float32_reductions=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16),
+  dict(use_scale=False, use_bias=False, epsilon=1e-3, momentum=0.5),
+]
+
+
+@pytest.mark.parametrize("fields", FLAX_FIELDS, ids=lambda f: ",".join(f))
+@pytest.mark.parametrize("masked", [False, True])
+def test_module_fields_and_mask_match_flax(fields, masked):
+  """bf16 fields in bf16 arithmetic: tolerance of bf16 rounding; else f32 sums of 32 rows."""
+  x, _, _, _ = _inputs(jnp.float32, offset=1.0)
+  mask = None
+  if masked:
+    mask = jax.random.bernoulli(jax.random.key(3), 0.7, x.shape)
+    mask = mask.at[..., 0, 0, :].set(True)  # every replica keeps rows of every channel
+  kwargs = dict(axis_name=AXES, **fields)
+  got = _forward_in_shard_map(BatchNorm(**kwargs, implementation="xla"), x, mask)
+  want = _forward_in_shard_map(fnn.BatchNorm(**kwargs), x, mask)
+  dtype = fields.get("dtype", jnp.float32)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    _assert_close(a, b, dtype, x.size // C)

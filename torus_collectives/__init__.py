@@ -9,7 +9,14 @@ The public API. Layers below it, each importing only the ones after it: ``regist
 
 from torus_collectives import schedule
 from torus_collectives.batch_norm import batch_norm
-from torus_collectives.collectives import all_gather, all_reduce, reduce_scatter
+from torus_collectives.collectives import (
+  all_gather,
+  all_reduce,
+  pmean,
+  psum,
+  psum_scatter,
+  reduce_scatter,
+)
 from torus_collectives.configs import BlockSizes, KernelConfig
 from torus_collectives.gradients import all_reduce_gradients
 from torus_collectives.groups import group_sum, resolve_tile
@@ -28,6 +35,9 @@ __all__ = [
   "batch_norm",
   "group_sum",
   "make_torus_mesh",
+  "pmean",
+  "psum",
+  "psum_scatter",
   "reduce_scatter",
   "resolve_tile",
   "schedule",

@@ -156,8 +156,9 @@ def batch_norm(
     batch mean and biased variance per channel, without gradient.
 
   Raises:
-    ValueError: on a bad shape, dtype, epsilon, implementation, unbound axis, or a
-      ``group_size`` that is not a tile of the mesh.
+    ValueError: on a bad shape (an empty batch included), dtype, epsilon,
+      implementation, unbound axis, or a ``group_size`` that is not a tile of the mesh.
+    TypeError: on a ``group_size`` that is not None, an int or a tuple of ints.
   """
   x, scale, bias = jnp.asarray(x), jnp.asarray(scale), jnp.asarray(bias)
   if x.ndim < 2:
@@ -169,6 +170,8 @@ def batch_norm(
         f"{name} must have shape ({channels},) to match x's channel axis, "
         f"got {name}.shape={p.shape}"
       )
+  if x.size == 0:
+    raise ValueError(f"batch norm needs at least one row of statistics, got {x.shape=}")
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"x must be floating point, got {x.dtype=}")
   if not epsilon > 0:

@@ -1,187 +1,401 @@
-"""Drop-in replacements for ``lax.psum_scatter``, ``lax.all_gather`` and ``lax.psum``.
+"""Drop-in replacements for ``lax.psum``, ``lax.pmean``, ``lax.psum_scatter`` and
+``lax.all_gather``.
 
-Called inside ``jax.shard_map`` over a mesh with named axes, they take the same arguments
-and give the same shapes, chunk order (row-major over a tuple of axis names), ``tiled``
-meaning and gradients as their ``lax`` counterparts, with a choice of implementation (see
-``registry``). The work here is the part every implementation shares: validating the
-request before any device work, bringing the scattered or gathered dimension to the front
-and flattening, and the autodiff rules (a Pallas kernel has no transpose of its own):
+``psum``, ``pmean``, ``psum_scatter`` and ``all_gather`` take lax's exact signatures plus
+``implementation=`` (and ``config=`` for the Pallas kernels), so migrating a file is a
+find-and-replace of ``lax.``; ``all_reduce`` and ``reduce_scatter`` are the descriptive
+names of the same ops.
 
-  reduce_scatter^T = all_gather,  all_gather^T = reduce_scatter,  all_reduce^T = all_reduce
-  (under ``check_vma=True`` the transpose of the invariant all-reduce is ``pvary``, as for
-  ``lax.psum``: no communication).
+* ``implementation="xla"`` is lax itself, called with the arguments as given.
+* ``"auto"`` asks ``registry.resolve_collective`` whether its choice of torus
+  implementation runs the request, and otherwise calls lax: it is never stricter than lax.
+* ``"shard_map"`` and ``"pallas"`` run the torus schedule. The work here is what they share:
+  validating the request before any device work, and packing a pytree into one flat
+  buffer per dtype (one collective per dtype bucket, not one per leaf) with the scattered
+  or gathered dimension brought to the front. The flat buffers go through the primitives
+  of ``primitives``, which carry the JVP, transpose and batching rules.
+
+Semantics follow lax: chunk order row-major over a tuple of axis names, lax's ``tiled``
+meaning, ``axis_index_groups`` (on the torus when the groups are aligned tiles of it, see
+``groups``), ``to="invarying"``, axes bound by ``shard_map``, ``pmap`` or
+``vmap(axis_name=...)``, and Python scalars. Booleans are summed as int32, as lax does.
 """
 
 from __future__ import annotations
 
-import functools
+import itertools
 import math
-from collections.abc import Hashable
+import operator
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax._src import config as jax_config
+from jax._src import core as jax_core
 
-from torus_collectives import registry
-from torus_collectives._vma import ensure_varying, mark_invariant, vma_checked
+from torus_collectives import primitives, registry
+from torus_collectives._vma import ensure_varying, vma_checked
 from torus_collectives.configs import KernelConfig
 from torus_collectives.registry import Implementation
 
-AxisName = Hashable | tuple[Hashable, ...]
+AxisName = Hashable | Sequence[Hashable]
+AxisIndexGroups = Sequence[Sequence[int]] | None
 
 
-def _bound_axes(axis_name: AxisName) -> tuple[tuple[str, ...], tuple[int, ...]]:
-  """The named axes as a tuple and their sizes, checked against the enclosing mesh."""
-  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  if not 1 <= len(axes) <= 2:
-    raise ValueError(
-      f"{axis_name=}: give one mesh axis or a tuple of two (the torus), not {len(axes)}"
-    )
-  if len(set(axes)) != len(axes):
-    raise ValueError(f"{axis_name=} names an axis twice")
-  mesh = jax.sharding.get_abstract_mesh()
-  manual = set(getattr(mesh, "manual_axes", ()))
-  for axis in axes:
-    if axis not in manual:
-      bound = sorted(manual) or "none"
-      raise ValueError(
-        f"axis {axis!r} is not bound here (bound mesh axes: {bound}); call this inside "
-        "jax.shard_map over a mesh that has that axis"
-      )
-  return tuple(axes), tuple(int(mesh.shape[a]) for a in axes)
+def _names(axis_name) -> tuple:
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
-def _implementation(op: str, implementation: str, dtype, config) -> tuple[str, KernelConfig | None]:
-  """(concrete implementation, kernel config): the ``impl`` key the flat collectives take."""
+def _check_args(implementation, config) -> None:
+  registry.check_name(implementation)
   if config is not None and not isinstance(config, KernelConfig):
     raise ValueError(f"config must be a tc.KernelConfig or None, got {config=}")
-  return registry.resolve(op, implementation, dtype), config
 
 
-def _dimension(value: int, ndim: int, name: str) -> int:
+def _group_tiles(tile: tuple[int, ...], sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+  """The aligned tiles of ``tile`` on axes of ``sizes``, as row-major linear indices."""
+  grid = np.arange(math.prod(sizes)).reshape(sizes)
+  blocks = grid.reshape([d for n, t in zip(sizes, tile) for d in (n // t, t)])
+  k = len(sizes)
+  order = list(range(0, 2 * k, 2)) + list(range(1, 2 * k, 2))
+  return [tuple(g) for g in blocks.transpose(order).reshape(-1, math.prod(tile)).tolist()]
+
+
+def tile_of_groups(groups, sizes: tuple[int, ...], ordered: bool) -> tuple[int, ...] | None:
+  """The tile shape whose aligned tiles are exactly ``groups`` (each listed row-major when
+  ``ordered``), or None."""
+  groups = [tuple(int(i) for i in g) for g in groups]
+  if not groups or any(len(g) != len(groups[0]) for g in groups):
+    return None
+  key = (lambda g: g) if ordered else (lambda g: tuple(sorted(g)))
+  wanted = sorted(map(key, groups))
+  divisors = [[t for t in range(1, n + 1) if n % t == 0] for n in sizes]
+  for tile in itertools.product(*divisors):
+    if math.prod(tile) == len(groups[0]) and sorted(map(key, _group_tiles(tile, sizes))) == wanted:
+      return tile
+  return None
+
+
+def _state(leaf, names) -> str:
+  mat = jax.typeof(leaf).mat
+  for kind in ("unreduced", "reduced"):
+    if set(names) & set(getattr(mat, kind, ())):
+      return kind
+  return "varying"
+
+
+class _Call:
+  """One collective call on a torus implementation: its axes, sizes, group tile."""
+
+  def __init__(self, op, leaves, axis_name, groups, to, implementation):
+    names = _names(axis_name)
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = frozenset(getattr(mesh, "manual_axes", ()))
+    env = jax_core.get_axis_env()
+    positional = any(isinstance(a, int) for a in names)
+    unbound = tuple(a for a in names if not isinstance(a, int) and not env.axis_exists(a))
+    self.names = names
+    self.sizes = () if unbound or positional else tuple(env.axis_size(a) for a in names)
+    self.tile = self.sizes
+    group_kind = None
+    if groups is not None and self.sizes:
+      tile = tile_of_groups(groups, self.sizes, ordered=op != "all_reduce")
+      group_kind = "other" if tile is None else "tile"
+      self.tile = tile or self.sizes
+    elif groups is not None:
+      group_kind = "other"
+    tracers = [leaf for leaf in leaves if isinstance(leaf, jax_core.Tracer)]
+    request = registry.CollectiveRequest(
+      op=op,
+      dtypes=tuple(dict.fromkeys(jnp.result_type(leaf) for leaf in leaves)),
+      mesh_axes=sum(a in manual for a in names),
+      unbound=unbound,
+      positional=positional,
+      groups=group_kind,
+      to=to if vma_checked() else "varying",
+      unreduced=any(_state(leaf, names) != "varying" for leaf in tracers),
+      partial_manual=bool(manual) and manual != frozenset(mesh.axis_names),
+    )
+    self.implementation = registry.resolve_collective(implementation, request)
+    if self.implementation != "xla" and len(set(names)) != len(names):
+      raise ValueError(f"{axis_name=} names an axis twice")
+    self.mesh_names = tuple(a for a in names if a in manual)
+
+  def params(self, config, invariant=False) -> dict[str, Any]:
+    return dict(
+      axes=self.names,
+      sizes=self.sizes,
+      tile=self.tile,
+      impl=self.implementation,
+      config=config,
+      invariant=invariant,
+    )
+
+  @property
+  def group_size(self) -> int:
+    return math.prod(self.tile)
+
+  def varying(self, leaf: jax.Array, op: str) -> jax.Array:
+    """``leaf`` typed varying over the mesh axes, as lax's collectives take it."""
+    if not vma_checked() or not self.mesh_names:
+      return leaf
+    varying = jax.typeof(leaf).mat.varying
+    if not jax_config.auto_pcast.value and not set(self.mesh_names) & set(varying):
+      raise ValueError(
+        f"{op} is a variant->invariant collective: the input must vary over at least one "
+        f"of the axes {self.names}, but its type is {jax.typeof(leaf)}"
+      )
+    return ensure_varying(leaf, self.mesh_names)
+
+
+def _torus_candidate(op: str, implementation: str, leaves) -> bool:
+  """Whether the call may run on a torus implementation; if not, lax runs it untouched
+  (so "xla", and "auto" wherever it means lax, inspect nothing lax would not)."""
+  if implementation == "xla" or not leaves:
+    return False
+  if implementation != "auto":
+    return True
+  try:
+    dtypes = {jnp.result_type(leaf) for leaf in leaves}
+  except TypeError:
+    return False
+  return any(registry.auto_implementation(op, d) != "xla" for d in dtypes)
+
+
+def _buckets(leaves: list[jax.Array]) -> dict[jnp.dtype, list[int]]:
+  """Leaf indices per dtype, in order: each bucket travels as one buffer."""
+  buckets: dict[jnp.dtype, list[int]] = {}
+  for i, leaf in enumerate(leaves):
+    buckets.setdefault(leaf.dtype, []).append(i)
+  return buckets
+
+
+def _prepare(x, op):
+  """(leaves as arrays, treedef, their original dtypes); bools are summed as int32."""
+  leaves, treedef = jax.tree.flatten(x)
+  arrays = [jnp.asarray(leaf) for leaf in leaves]
+  if op != "all_gather":
+    arrays = [a.astype(jnp.int32) if a.dtype == jnp.bool_ else a for a in arrays]
+  return leaves, arrays, treedef
+
+
+def _sum(op, x, axis_name, axis_index_groups, implementation, config):
+  """psum on the torus, or on lax when "xla"/"auto" say so."""
+  _check_args(implementation, config)
+  if not _torus_candidate("all_reduce", implementation, jax.tree.leaves(x)):
+    return None
+  leaves, arrays, treedef = _prepare(x, op)
+  if all(not isinstance(leaf, jax_core.Tracer) for leaf in leaves):
+    return None  # constants: lax multiplies by the axis size, no device work
+  call = _Call("all_reduce", arrays, axis_name, axis_index_groups, "varying", implementation)
+  if call.implementation == "xla":
+    return None
+  out: list[jax.Array | None] = [None] * len(arrays)
+  invariant = vma_checked() and axis_index_groups is None
+  for _, idx in _buckets(arrays).items():
+    flat = jnp.concatenate([call.varying(arrays[i], "psum").reshape(-1) for i in idx])
+    summed = primitives.bind("all_reduce", flat, **call.params(config, invariant))
+    offset = 0
+    for i in idx:
+      out[i] = summed[offset : offset + arrays[i].size].reshape(arrays[i].shape)
+      offset += arrays[i].size
+  return jax.tree.unflatten(treedef, out)
+
+
+def psum(
+  x: Any,
+  axis_name: AxisName,
+  *,
+  axis_index_groups: AxisIndexGroups = None,
+  implementation: Implementation = "auto",
+  config: KernelConfig | None = None,
+) -> Any:
+  """Sums ``x`` (a pytree) over ``axis_name``; as ``lax.psum``."""
+  out = _sum("psum", x, axis_name, axis_index_groups, implementation, config)
+  if out is None:
+    return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
+  return out
+
+
+def pmean(
+  x: Any,
+  axis_name: AxisName,
+  *,
+  axis_index_groups: AxisIndexGroups = None,
+  implementation: Implementation = "auto",
+  config: KernelConfig | None = None,
+) -> Any:
+  """Averages ``x`` (a pytree) over ``axis_name``; as ``lax.pmean``."""
+  out = _sum("pmean", x, axis_name, axis_index_groups, implementation, config)
+  if out is None:
+    return lax.pmean(x, axis_name, axis_index_groups=axis_index_groups)
+  n = lax.psum(1, _names(axis_name), axis_index_groups=axis_index_groups)
+  return jax.tree.map(lambda v: v / n, out)
+
+
+def all_reduce(
+  x: Any,
+  axis_name: AxisName,
+  *,
+  axis_index_groups: AxisIndexGroups = None,
+  implementation: Implementation = "auto",
+  config: KernelConfig | None = None,
+) -> Any:
+  """Sums ``x`` over ``axis_name``: ``psum`` under its descriptive name."""
+  return psum(
+    x,
+    axis_name,
+    axis_index_groups=axis_index_groups,
+    implementation=implementation,
+    config=config,
+  )
+
+
+def _dimension(value, ndim: int, name: str) -> int:
+  try:
+    value = operator.index(value)
+  except TypeError:
+    raise TypeError(f"{name} must be an int, got {name}={value!r}") from None
   if not -ndim <= value < ndim:
     raise ValueError(f"{name}={value} is out of range for {ndim} dimensions")
   return value % ndim
 
 
-# Flat, differentiable collectives: the backend does the work, the VJP pairs them up.
-# ``impl`` is the (name, config) pair from ``_implementation``; both are hashable.
-
-
-def _linear_collective(name: str):
-  """The backend's ``name`` collective, differentiable through a custom VJP (set below)."""
-
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-  def op(x, impl, axes, torus):
-    return getattr(registry.collective_backend(*impl), name)(x, axes, torus)
-
-  return op
-
-
-_flat_reduce_scatter = _linear_collective("reduce_scatter")
-_flat_all_gather = _linear_collective("all_gather")
-# Each is the other's transpose.
-for _op, _transpose in (
-  (_flat_reduce_scatter, _flat_all_gather),
-  (_flat_all_gather, _flat_reduce_scatter),
-):
-  _op.defvjp(
-    lambda x, impl, axes, torus, op=_op: (op(x, impl, axes, torus), None),
-    lambda impl, axes, torus, _, ct, t=_transpose: (t(ct, impl, axes, torus),),
-  )
-del _op, _transpose
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _flat_all_reduce(x, impl, axes, torus, invariant):
-  out = registry.collective_backend(*impl).all_reduce(x, axes, torus)
-  return mark_invariant(out, axes) if invariant else out
-
-
-def _flat_all_reduce_fwd(x, impl, axes, torus, invariant):
-  return _flat_all_reduce(x, impl, axes, torus, invariant), None
-
-
-def _flat_all_reduce_bwd(impl, axes, torus, invariant, _, ct):
-  if invariant:  # d(sum)/dx_i is the identity on each device: no communication.
-    return (lax.pcast(ct, axes, to="varying"),)
-  return (_flat_all_reduce(ct, impl, axes, torus, False),)
-
-
-_flat_all_reduce.defvjp(_flat_all_reduce_fwd, _flat_all_reduce_bwd)
-
-
-# Public API.
-
-
-def reduce_scatter(
-  x: jax.Array,
+def psum_scatter(
+  x: Any,
   axis_name: AxisName,
   *,
   scatter_dimension: int = 0,
+  axis_index_groups: AxisIndexGroups = None,
   tiled: bool = False,
   implementation: Implementation = "auto",
   config: KernelConfig | None = None,
-) -> jax.Array:
-  """Sums ``x`` over ``axis_name`` and keeps this device's chunk; as ``lax.psum_scatter``."""
-  axes, torus = _bound_axes(axis_name)
-  impl = _implementation("reduce_scatter", implementation, x.dtype, config)
-  p = math.prod(torus)
-  dim = _dimension(scatter_dimension, x.ndim, "scatter_dimension")
-  size = x.shape[dim]
-  if tiled and size % p:
-    raise ValueError(
-      f"tiled reduce_scatter over {axes} (size {p}) needs x.shape[{dim}]={size} to be a "
-      f"multiple of {p}; pad that dimension"
+) -> Any:
+  """Sums ``x`` (a pytree) over ``axis_name`` and keeps this device's chunk; as
+  ``lax.psum_scatter``."""
+
+  def on_lax():
+    return lax.psum_scatter(
+      x,
+      axis_name,
+      scatter_dimension=scatter_dimension,
+      axis_index_groups=axis_index_groups,
+      tiled=tiled,
     )
-  if not tiled and size != p:
-    raise ValueError(
-      f"untiled reduce_scatter over {axes} needs x.shape[{dim}]={size} to equal the axis "
-      f"size {p}; reshape, or pass tiled=True"
-    )
-  if impl[0] == "xla":
-    return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
-  moved = jnp.moveaxis(x, dim, 0)
-  out = _flat_reduce_scatter(ensure_varying(moved.reshape(-1), axes), impl, axes, torus)
-  if not tiled:
-    return out.reshape(moved.shape[1:])
-  return jnp.moveaxis(out.reshape((size // p,) + moved.shape[1:]), 0, dim)
+
+  _check_args(implementation, config)
+  if not _torus_candidate("reduce_scatter", implementation, jax.tree.leaves(x)):
+    return on_lax()
+  leaves, arrays, treedef = _prepare(x, "all_gather")
+  call = _Call("reduce_scatter", arrays, axis_name, axis_index_groups, "varying", implementation)
+  if call.implementation == "xla":
+    return on_lax()
+  p = call.group_size
+  grids, shapes = [], []
+  for a in arrays:
+    if a.dtype == jnp.bool_:
+      raise TypeError("psum_scatter does not accept dtype bool (neither does lax.psum_scatter)")
+    dim = _dimension(scatter_dimension, a.ndim, "scatter_dimension")
+    size = a.shape[dim]
+    if tiled and size % p:
+      raise ValueError(
+        f"tiled psum_scatter over {call.names} (group size {p}) needs x.shape[{dim}]={size} "
+        f"to be a multiple of {p}; pad that dimension"
+      )
+    if not tiled and size != p:
+      raise ValueError(
+        f"untiled psum_scatter over {call.names} needs x.shape[{dim}]={size} to equal the "
+        f"group size {p}; reshape, or pass tiled=True"
+      )
+    moved = jnp.moveaxis(call.varying(a, "psum_scatter"), dim, 0)
+    grids.append(moved.reshape(p, -1))
+    chunk = (size // p,) + moved.shape[1:] if tiled else moved.shape[1:]
+    shapes.append((dim, chunk))
+  out: list[jax.Array | None] = [None] * len(arrays)
+  for _, idx in _buckets(arrays).items():
+    packed = jnp.concatenate([grids[i] for i in idx], axis=1).reshape(-1)
+    scattered = primitives.bind("reduce_scatter", packed, **call.params(config))
+    offset = 0
+    for i in idx:
+      dim, chunk = shapes[i]
+      n = math.prod(chunk)
+      part = scattered[offset : offset + n].reshape(chunk)
+      out[i] = jnp.moveaxis(part, 0, dim) if tiled else part
+      offset += n
+  return jax.tree.unflatten(treedef, out)
+
+
+def reduce_scatter(
+  x: Any,
+  axis_name: AxisName,
+  *,
+  scatter_dimension: int = 0,
+  axis_index_groups: AxisIndexGroups = None,
+  tiled: bool = False,
+  implementation: Implementation = "auto",
+  config: KernelConfig | None = None,
+) -> Any:
+  """``psum_scatter`` under its descriptive name."""
+  return psum_scatter(
+    x,
+    axis_name,
+    scatter_dimension=scatter_dimension,
+    axis_index_groups=axis_index_groups,
+    tiled=tiled,
+    implementation=implementation,
+    config=config,
+  )
 
 
 def all_gather(
-  x: jax.Array,
+  x: Any,
   axis_name: AxisName,
   *,
+  axis_index_groups: AxisIndexGroups = None,
   axis: int = 0,
   tiled: bool = False,
+  to: str = "varying",
   implementation: Implementation = "auto",
   config: KernelConfig | None = None,
-) -> jax.Array:
-  """Concatenates (``tiled``) or stacks ``x`` from every device; as ``lax.all_gather``."""
-  axes, torus = _bound_axes(axis_name)
-  impl = _implementation("all_gather", implementation, x.dtype, config)
-  p = math.prod(torus)
-  dim = _dimension(axis, x.ndim if tiled else x.ndim + 1, "axis")
-  if impl[0] == "xla":
-    return lax.all_gather(x, axis_name, axis=dim, tiled=tiled)
-  gathered = _flat_all_gather(ensure_varying(x.reshape(-1), axes), impl, axes, torus)
-  stacked = jnp.moveaxis(gathered.reshape((p,) + x.shape), 0, dim)
-  if not tiled:
-    return stacked
-  return stacked.reshape(x.shape[:dim] + (p * x.shape[dim],) + x.shape[dim + 1 :])
+) -> Any:
+  """Concatenates (``tiled``) or stacks ``x`` (a pytree) from every device; as
+  ``lax.all_gather``."""
 
+  def on_lax():
+    return lax.all_gather(
+      x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled, to=to
+    )
 
-def all_reduce(
-  x: jax.Array,
-  axis_name: AxisName,
-  *,
-  implementation: Implementation = "auto",
-  config: KernelConfig | None = None,
-) -> jax.Array:
-  """Sums ``x`` over ``axis_name``; as ``lax.psum``."""
-  axes, torus = _bound_axes(axis_name)
-  impl = _implementation("all_reduce", implementation, x.dtype, config)
-  if impl[0] == "xla":
-    return lax.psum(x, axis_name)
-  flat = ensure_varying(x.reshape(-1), axes)
-  return _flat_all_reduce(flat, impl, axes, torus, vma_checked()).reshape(x.shape)
+  _check_args(implementation, config)
+  leaves = jax.tree.leaves(x)
+  if not _torus_candidate("all_gather", implementation, leaves) or to not in (
+    "varying",
+    "reduced",
+    "invarying",
+  ):
+    return on_lax()
+  leaves, arrays, treedef = _prepare(x, "all_gather")
+  call = _Call("all_gather", arrays, axis_name, axis_index_groups, to, implementation)
+  if call.implementation == "xla":
+    return on_lax()
+  p = call.group_size
+  dims = [_dimension(axis, a.ndim if tiled else a.ndim + 1, "axis") for a in arrays]
+  invariant = vma_checked() and to == "invarying"
+  out: list[jax.Array | None] = [None] * len(arrays)
+  for _, idx in _buckets(arrays).items():
+    packed = jnp.concatenate([call.varying(arrays[i], "all_gather").reshape(-1) for i in idx])
+    gathered = primitives.bind("all_gather", packed, **call.params(config, invariant))
+    gathered = gathered.reshape(p, -1)
+    offset = 0
+    for i in idx:
+      a, dim = arrays[i], dims[i]
+      part = gathered[:, offset : offset + a.size].reshape((p,) + a.shape)
+      stacked = jnp.moveaxis(part, 0, dim)
+      if tiled:
+        stacked = stacked.reshape(a.shape[:dim] + (p * a.shape[dim],) + a.shape[dim + 1 :])
+      out[i] = stacked
+      offset += a.size
+  return jax.tree.unflatten(treedef, out)

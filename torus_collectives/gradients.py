@@ -15,8 +15,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from torus_collectives.collectives import AxisName, _bound_axes, all_reduce
+from torus_collectives.collectives import AxisName, all_reduce
 
 DEFAULT_BUCKET_BYTES = 32 * 2**20
 
@@ -50,9 +51,9 @@ def all_reduce_gradients(
 
   Returns a tree of the same structure, shapes and dtypes.
   """
-  if bucket_bytes <= 0:
-    raise ValueError(f"{bucket_bytes=} must be positive")
-  axes, torus = _bound_axes(axis_name)
+  if not bucket_bytes > 0 or not math.isfinite(bucket_bytes):
+    raise ValueError(f"{bucket_bytes=} must be a positive, finite number of bytes")
+  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
   leaves, treedef = jax.tree.flatten(tree)
   for leaf in leaves:
     if not jnp.issubdtype(leaf.dtype, jnp.floating):
@@ -61,7 +62,7 @@ def all_reduce_gradients(
         "filter integer leaves out of the tree first"
       )
   wire = [leaf if transport_dtype is None else leaf.astype(transport_dtype) for leaf in leaves]
-  scale = 1.0 / math.prod(torus) if mean else 1.0
+  scale = 1.0 / math.prod(lax.axis_size(a) for a in axes) if mean else 1.0
   out: list[jax.Array | None] = [None] * len(leaves)
   for bucket in _buckets(wire, bucket_bytes):
     flat = jnp.concatenate([wire[i].reshape(-1) for i in bucket])

@@ -28,11 +28,17 @@ import math
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 from jax import lax
 
 from torus_collectives.collectives import all_reduce
 
 GroupSize = int | Sequence[int] | None
+
+
+def _is_int(value) -> bool:
+  """An int, but not a bool (``True`` is not a group of one)."""
+  return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -84,7 +90,14 @@ def resolve_tile(group_size: GroupSize, sizes: Sequence[int]) -> tuple[int, ...]
   sizes = tuple(sizes)
   if group_size is None:
     return sizes
-  if isinstance(group_size, int):
+  if not _is_int(group_size) and not (
+    isinstance(group_size, Sequence) and all(_is_int(t) for t in group_size)
+  ):
+    raise TypeError(
+      f"group_size must be None, an int (replicas per group) or a tuple of ints (the tile "
+      f"shape, one extent per named axis), got {group_size!r}"
+    )
+  if _is_int(group_size):
     tile = _fill_last_axis_first(group_size, sizes)
     if group_size >= 1 and tile and _is_valid_tile(tile, sizes):
       return tile

@@ -24,6 +24,10 @@ caller's ``shard_map`` with ``axes`` bound and ``torus`` their sizes (same order
   row-major over ``axes`` (``lax.psum_scatter(x, axes, tiled=True)``);
 * ``all_gather(x, axes, torus)``: ``(m,) -> (p*m,)`` (``lax.all_gather(x, axes, tiled=True)``);
 * ``all_reduce(x, axes, torus)``: ``(n,) -> (n,)`` (``lax.psum(x, axes)``).
+
+A backend that runs replica groups (``axis_index_groups`` that tile the torus) takes
+``tile=`` (the group's extent per axis) as well. ``unsupported`` says which requests each
+torus implementation cannot run; "auto" sends those to XLA.
 """
 
 from __future__ import annotations
@@ -53,9 +57,13 @@ _FLOATS = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 # The dtypes each implementation supports, per op it implements; None: whatever lax takes.
 SUPPORTED_DTYPES: dict[str, dict[str, tuple[jnp.dtype, ...] | None]] = {
   "xla": dict.fromkeys(OPS),
-  "shard_map": dict.fromkeys(COLLECTIVES, _SUMMED),
+  "shard_map": dict.fromkeys(COLLECTIVES),
   "pallas": {**dict.fromkeys(COLLECTIVES, _SUMMED), "batch_norm": _FLOATS},
 }
+
+
+# The torus implementations run on tori of at most this many named mesh axes.
+MAX_TORUS_AXES = 2
 
 
 def supports(implementation: str, op: Op, dtype) -> bool:
@@ -73,10 +81,15 @@ def auto_implementation(op: Op = "all_reduce", dtype=jnp.float32) -> str:
   return choice if supports(choice, op, dtype) else "xla"
 
 
-def resolve(op: Op, implementation: str, dtype) -> str:
-  """The concrete implementation to run; raises ValueError on a name or dtype it lacks."""
+def check_name(implementation: str) -> None:
+  """Raises ValueError unless ``implementation`` is one of ``IMPLEMENTATIONS``."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"unknown {implementation=}: implementation must be one of {IMPLEMENTATIONS}")
+
+
+def resolve(op: Op, implementation: str, dtype) -> str:
+  """The concrete implementation to run; raises ValueError on a name or dtype it lacks."""
+  check_name(implementation)
   if implementation == "auto":
     return auto_implementation(op, dtype)
   if op not in SUPPORTED_DTYPES[implementation]:
@@ -88,6 +101,91 @@ def resolve(op: Op, implementation: str, dtype) -> str:
       f'dtype {jnp.dtype(dtype).name} is not supported by {op} implementation="{implementation}" '
       f'(supported: {supported}); cast the input, or use implementation="auto" or "xla"'
     )
+  return implementation
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveRequest:
+  """The facts of one collective call that decide whether a torus implementation runs it.
+
+  Attributes:
+    op: one of ``COLLECTIVES``.
+    dtypes: the dtypes of the leaves.
+    mesh_axes: how many of the named axes are mesh axes (the rest are vmap axes).
+    unbound: named axes bound by nothing (lax raises NameError for them).
+    positional: an int (positional) axis is named.
+    groups: None, "tile" (``axis_index_groups`` that are aligned tiles of the torus, in
+      row-major order) or "other".
+    to: the all-gather's ``to=``.
+    unreduced: a leaf is typed unreduced or reduced over the named axes.
+    partial_manual: the enclosing shard_map leaves some mesh axes automatic.
+  """
+
+  op: str
+  dtypes: tuple
+  mesh_axes: int
+  unbound: tuple = ()
+  positional: bool = False
+  groups: str | None = None
+  to: str = "varying"
+  unreduced: bool = False
+  partial_manual: bool = False
+
+
+def unsupported(implementation: str, request: CollectiveRequest) -> Exception | None:
+  """Why the torus ``implementation`` cannot run ``request`` (the error to raise), or None."""
+  if request.unbound:
+    return NameError(f"unbound axis name: {request.unbound[0]}")
+  hint = 'use implementation="auto" (it runs lax here) or "xla"'
+  for dtype in request.dtypes:
+    if not supports(implementation, request.op, dtype):
+      supported = ", ".join(d.name for d in SUPPORTED_DTYPES[implementation][request.op])
+      return ValueError(
+        f"dtype {jnp.dtype(dtype).name} is not supported by {request.op} "
+        f'implementation="{implementation}" (supported: {supported}); cast the input, or {hint}'
+      )
+  if request.positional:
+    return ValueError(f'positional (int) axis names are not collectives over devices; {hint}')
+  if request.mesh_axes > MAX_TORUS_AXES:
+    return NotImplementedError(
+      f'implementation="{implementation}" runs on tori of at most {MAX_TORUS_AXES} mesh axes, '
+      f"got {request.mesh_axes}; {hint}"
+    )
+  if request.groups == "other" or (request.groups and implementation == "pallas"):
+    return ValueError(
+      f'implementation="{implementation}" runs axis_index_groups only when they are aligned '
+      "tiles of the torus, listed row-major"
+      + (' (and only with "shard_map")' if implementation == "pallas" else "")
+      + f"; {hint}"
+    )
+  if request.to not in ("varying", "invarying"):
+    return ValueError(
+      f'implementation="{implementation}" does not gather to={request.to!r}; {hint}'
+    )
+  if request.unreduced:
+    return ValueError(
+      f'implementation="{implementation}" does not take unreduced or reduced inputs; {hint}'
+    )
+  if request.partial_manual and implementation == "pallas":
+    return ValueError(
+      'implementation="pallas" needs every mesh axis manual in the enclosing shard_map; '
+      'use implementation="shard_map" or "auto"'
+    )
+  return None
+
+
+def resolve_collective(implementation: str, request: CollectiveRequest) -> str:
+  """The concrete implementation for a collective call: "auto" falls back to "xla" for
+  whatever its choice does not support; an explicit torus choice raises instead."""
+  check_name(implementation)
+  if implementation == "xla":
+    return "xla"
+  if implementation == "auto":
+    choice = auto_implementation(request.op, request.dtypes[0] if request.dtypes else jnp.float32)
+    return "xla" if choice == "xla" or unsupported(choice, request) else choice
+  error = unsupported(implementation, request)
+  if error is not None:
+    raise error
   return implementation
 
 

@@ -28,8 +28,9 @@ from torus_collectives.layout import accumulation_dtype, ceil_div, pad_chunks, p
 AxisNames = tuple[str, ...]
 
 
-def _ring_perm(size: int, direction: int) -> list[tuple[int, int]]:
-  return [(i, (i + direction) % size) for i in range(size)]
+def _ring_perm(size: int, extent: int, direction: int) -> list[tuple[int, int]]:
+  """One ring per aligned block of ``extent`` devices along an axis of ``size``."""
+  return [(i, i - i % extent + (i % extent + direction) % extent) for i in range(size)]
 
 
 @functools.cache
@@ -37,7 +38,7 @@ def _schedule(collective: str, torus: tuple[int, ...]) -> schedule_lib.Schedule:
   return schedule_lib.build(collective, torus, schedule_lib.default_variant(torus))
 
 
-def _run(schedule, streams, axes, wire_dtype):
+def _run(schedule, streams, axes, sizes, wire_dtype):
   """Executes ``schedule`` on per-stream live buffers, all streams in lockstep.
 
   During a phase, a stream's buffer is held as a list of its slabs along the phase's axis,
@@ -61,7 +62,8 @@ def _run(schedule, streams, axes, wire_dtype):
       send_at = phase.send_slab(0, transfer.step, n)
       recv_at = phase.recv_slab(0, transfer.step, n)
       outgoing = slabs[k][send_at].astype(wire_dtype)
-      incoming = lax.ppermute(outgoing, axes[phase.axis], _ring_perm(n, phase.direction))
+      perm = _ring_perm(sizes[phase.axis], n, phase.direction)
+      incoming = lax.ppermute(outgoing, axes[phase.axis], perm)
       incoming = incoming.astype(buffers[k].dtype)
       if phase.kind == "reduce_scatter":
         incoming = incoming + slabs[k][recv_at]
@@ -81,68 +83,77 @@ def _rotate(grid: jax.Array, positions, sign: int) -> jax.Array:
   return grid
 
 
-def _drop_trivial_axes(axes: AxisNames, torus: tuple[int, ...]):
-  """A collective over a size-1 axis is the identity: leave such axes out."""
-  kept = [(a, n) for a, n in zip(axes, torus) if n > 1]
-  return tuple(a for a, _ in kept), tuple(n for _, n in kept)
+def _drop_trivial_axes(axes: AxisNames, torus: tuple[int, ...], sizes=None):
+  """A collective over rings of one device is the identity: leave such axes out."""
+  sizes = torus if sizes is None else sizes
+  kept = [(a, n, s) for a, n, s in zip(axes, torus, sizes) if n > 1]
+  return tuple(k[0] for k in kept), tuple(k[1] for k in kept), tuple(k[2] for k in kept)
 
 
 def _execute(
-  collective: str, x: jax.Array, axes: AxisNames, torus: tuple[int, ...], wire_dtype
+  collective: str, x: jax.Array, axes: AxisNames, torus: tuple[int, ...], sizes, wire_dtype
 ) -> jax.Array:
   """Runs ``collective`` on ``x``: a chunk grid ``torus + (width,)``, or ``(width,)`` for
   an all-gather. Returns the grid (all-reduce, all-gather) or the own chunk. Slabs travel
-  in ``wire_dtype`` and are summed in ``x.dtype``.
+  in ``wire_dtype`` and are summed in ``x.dtype``. ``torus`` holds the ring sizes: the
+  axis ``sizes``, or the extents of an aligned tile of them (one ring per tile).
 
   The schedule runs in each device's own frame: the grid is rolled so that the device's
   own chunk sits at index 0 along every axis. Every slab index is then the same static
   number on every device, which keeps dynamic indexing (and the copies it costs) to one
   roll per axis on the way in and one on the way out.
   """
-  axes, torus = _drop_trivial_axes(axes, torus)
+  axes, torus, sizes = _drop_trivial_axes(axes, torus, sizes)
   if collective != "all_gather":
     x = x.reshape(torus + x.shape[-1:])
   if not axes:
     return x
   schedule = _schedule(collective, torus)
-  positions = [lax.axis_index(a) for a in axes]
+  positions = [lax.axis_index(a) % n for a, n in zip(axes, torus)]
   if collective != "all_gather":
     x = _rotate(x, positions, -1)
-  outputs = _run(schedule, jnp.split(x, schedule.num_streams, axis=-1), axes, wire_dtype)
+  streams = jnp.split(x, schedule.num_streams, axis=-1)
+  outputs = _run(schedule, streams, axes, sizes, wire_dtype)
   out = jnp.concatenate(outputs, axis=-1)
   return out if collective == "reduce_scatter" else _rotate(out, positions, 1)
 
 
 def _padded_width(m: int, torus: tuple[int, ...]) -> int:
-  _, kept = _drop_trivial_axes(torus, torus)
+  _, kept, _ = _drop_trivial_axes(torus, torus)
   streams = _schedule("all_reduce", kept).num_streams if kept else 1
   return ceil_div(m, streams) * streams
 
 
-def reduce_scatter(x: jax.Array, axes: AxisNames, torus: tuple[int, ...]) -> jax.Array:
-  """(p*m,) -> (m,): this device's chunk of the sum, chunks row-major over ``axes``."""
+def reduce_scatter(x: jax.Array, axes: AxisNames, torus: tuple[int, ...], tile=None) -> jax.Array:
+  """(p*m,) -> (m,): this device's chunk of the sum, chunks row-major over ``axes``.
+
+  With ``tile`` (extents of aligned replica groups, see ``groups``), within each group.
+  """
+  sizes, torus = torus, tile or torus
   p = math.prod(torus)
   m = x.shape[0] // p
   width = _padded_width(m, torus)
   grid = pad_chunks(x.astype(accumulation_dtype(x.dtype)), p, width)
-  out = _execute("reduce_scatter", grid.reshape(torus + (width,)), axes, torus, x.dtype)
+  out = _execute("reduce_scatter", grid.reshape(torus + (width,)), axes, torus, sizes, x.dtype)
   return out.reshape(width)[:m].astype(x.dtype)
 
 
-def all_gather(x: jax.Array, axes: AxisNames, torus: tuple[int, ...]) -> jax.Array:
-  """(m,) -> (p*m,): every device's chunk, row-major over ``axes``."""
+def all_gather(x: jax.Array, axes: AxisNames, torus: tuple[int, ...], tile=None) -> jax.Array:
+  """(m,) -> (p*m,): every device's chunk, row-major over ``axes`` (or over its group)."""
+  sizes, torus = torus, tile or torus
   p, m = math.prod(torus), x.shape[0]
   width = _padded_width(m, torus)
-  out = _execute("all_gather", pad_to(x, width), axes, torus, x.dtype)
+  out = _execute("all_gather", pad_to(x, width), axes, torus, sizes, x.dtype)
   return out.reshape(p, width)[:, :m].reshape(p * m)
 
 
-def all_reduce(x: jax.Array, axes: AxisNames, torus: tuple[int, ...]) -> jax.Array:
-  """(n,) -> (n,): the sum over ``axes``, identical on every device."""
+def all_reduce(x: jax.Array, axes: AxisNames, torus: tuple[int, ...], tile=None) -> jax.Array:
+  """(n,) -> (n,): the sum over ``axes`` (or over its group), identical on every device."""
+  sizes, torus = torus, tile or torus
   p, n = math.prod(torus), x.shape[0]
   m = ceil_div(n, p)
   width = _padded_width(m, torus)
   flat = pad_to(x.astype(accumulation_dtype(x.dtype)), p * m)
   grid = pad_chunks(flat, p, width)
-  out = _execute("all_reduce", grid.reshape(torus + (width,)), axes, torus, x.dtype)
+  out = _execute("all_reduce", grid.reshape(torus + (width,)), axes, torus, sizes, x.dtype)
   return out.reshape(p, width)[:, :m].reshape(p * m)[:n].astype(x.dtype)

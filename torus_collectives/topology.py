@@ -40,6 +40,8 @@ def make_torus_mesh(
   axis_names = tuple(axis_names)
   if len(shape) != len(axis_names):
     raise ValueError(f"{shape=} and {axis_names=} must have the same length")
+  if any(n < 1 for n in shape):
+    raise ValueError(f"{shape=}: every mesh axis needs at least one device")
   if len(shape) not in (1, 2):
     raise ValueError(f"a torus mesh has 1 or 2 axes, got {shape=}")
   if len(set(axis_names)) != len(axis_names):
