@@ -314,25 +314,26 @@ def tune_for(
   group_size: groups.GroupSize = None,
   label: str = "model",
   **kwargs,
-) -> tuning.Table:
+) -> dict[str, str]:
   """Tunes what one model runs: the gradient summation of a tree shaped like ``params``
   and batch norm on each distinct (per-replica shape, dtype) in ``batch_norm_shapes``,
   with statistics over ``group_size`` replicas. Call it on every process before tracing
   the train step; "auto" then reads the result. Keyword arguments go to ``tune_cases``.
+
+  Returns ``{op: implementation}``: what "auto" now runs for each of them (for the log).
   """
   mesh = _mesh(mesh)
   cases = [gradients_case(mesh, params, label)]
   distinct = dict.fromkeys((tuple(s), jnp.dtype(d).name) for s, d in batch_norm_shapes)
   cases += [batch_norm_case(mesh, s, d, group_size) for s, d in distinct]
-  return tune_cases(cases, **kwargs)
+  tune_cases(cases, **kwargs)
+  return {c.label: auto_choice(c, mesh) for c in cases}
 
 
-def choices(table: tuning.Table) -> dict[str, str]:
-  """``{case label: implementation}`` of a table, for a run log."""
-  return {
-    f"{e.op} {e.dtype} {tuning.size_label(2**e.bucket)} on {e.topology}": e.choice
-    for e in table.entries
-  }
+def auto_choice(case: Case, mesh: Mesh) -> str:
+  """The implementation "auto" runs for ``case`` on ``mesh``, by the registry's rule."""
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    return registry.auto_implementation(case.op, case.dtype, nbytes=case.nbytes, torus=case.torus)
 
 
 # ----------------------------------------------------------------------------------------
