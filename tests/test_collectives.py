@@ -137,9 +137,7 @@ def test_gradients_match_lax(op, check_vma, impl):
           else lax.all_gather(x, axis_name, tiled=True)
         )
         return jnp.sum(out * jnp.tile(w, (p, 1)))
-      out = (
-        tc.all_reduce(x, axis_name, implementation=impl) if ours else lax.psum(x, axis_name)
-      )
+      out = tc.all_reduce(x, axis_name, implementation=impl) if ours else lax.psum(x, axis_name)
       return jnp.sum(out * w)
 
     losses = per_device(lambda a, b: body(a, b), mesh, x, weights, check_vma=check_vma)

@@ -17,6 +17,10 @@ measurement "auto" is XLA, and says once how to tune. Below ``latency_floor_byte
 the cost model's per-hop latency outweighs its bandwidth term) "auto" is XLA without
 looking: no schedule can win there against XLA's single fused collective.
 
+Several processes must read the same table, or they would compile different programs:
+``tune`` decides on process 0's timings and installs the result on every process; a file
+passed to ``use_table`` must be the same file everywhere.
+
 The decision rule (``decide``): a candidate replaces XLA only if the median over rounds of
 its per-round time ratio to XLA is at most ``1 - margin`` (default 5 %); ties and noise
 stay with XLA. A table that cannot be read, was written by another table format or package
