@@ -156,9 +156,10 @@ def batch_norm_case(
 def synthetic_gradients(nbytes: int, dtype="float32", leaves: int = 161) -> list:
   """Shapes of a gradient tree of about ``nbytes``: ``leaves`` leaves (ResNet-50 has 161)
   whose sizes spread over three decades, as conv kernels, biases and BN parameters do."""
-  itemsize = jnp.dtype(dtype).itemsize
+  total = nbytes // jnp.dtype(dtype).itemsize
   weights = np.logspace(0, 3, leaves)
-  sizes = np.maximum(1, np.round(weights / weights.sum() * nbytes / itemsize)).astype(int)
+  sizes = np.maximum(1, np.floor(weights / weights.sum() * total)).astype(int)
+  sizes[-1] += total - sizes.sum()  # exactly nbytes: the size bucket is the one asked for
   return [jax.ShapeDtypeStruct((int(n),), jnp.dtype(dtype)) for n in sizes]
 
 
