@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import pathlib
 import platform as host_platform
 import sys
 import time
@@ -242,7 +243,8 @@ def tune_cases(
 
   ``output``: where to write it (merged with the entries already there that it does not
   remeasure); "" writes nothing; None: the user cache (``tuning.cache_path()``).
-  ``install``: make it the table "auto" reads first in this process.
+  ``install``: make it (the measured entries alone, the same on every process) the table
+  "auto" reads first in this process.
   """
   measured = agree(measure(cases, rounds=rounds, timer=timer, progress=progress))
   entries = [
@@ -268,14 +270,13 @@ def tune_cases(
     path = tuning.cache_path() if output is None else output
     previous = None
     try:
-      previous = tuning.Table.from_json(open(path).read())
+      previous = tuning.Table.from_json(pathlib.Path(path).read_text())
     except (OSError, ValueError):
       pass
-    table = table.merged_into(previous)
-    table.save(path)
+    table.merged_into(previous).save(path)
     if progress is not None and jax.process_index() == 0:
       progress(f"wrote {path}")
-  if install:
+  if install:  # what every process agreed on, not a merge with its own file
     tuning.use_table(table)
   return table
 
