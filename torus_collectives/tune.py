@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import pathlib
 import platform as host_platform
 import sys
@@ -224,8 +225,8 @@ def _machine() -> str:
   devices = jax.devices()
   return (
     f"{jax.device_count()} x {devices[0].device_kind} ({devices[0].platform}) in "
-    f"{jax.process_count()} process(es); host {host_platform.machine()}, "
-    f"{jax.local_device_count()} local devices; jax {jax.__version__}"
+    f"{jax.process_count()} process(es); host {host_platform.machine()} with "
+    f"{os.cpu_count()} cores, {jax.local_device_count()} local devices; jax {jax.__version__}"
   )
 
 

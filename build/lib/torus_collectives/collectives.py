@@ -51,11 +51,20 @@ def _bound_axes(axis_name: AxisName) -> tuple[tuple[str, ...], tuple[int, ...]]:
   return tuple(axes), tuple(int(mesh.shape[a]) for a in axes)
 
 
-def _implementation(op: str, implementation: str, dtype, config) -> tuple[str, KernelConfig | None]:
-  """(concrete implementation, kernel config): the ``impl`` key the flat collectives take."""
+def _implementation(
+  op: str, implementation: str, dtype, config, nbytes: int, torus: tuple[int, ...]
+) -> tuple[str, KernelConfig | None]:
+  """(concrete implementation, kernel config): the ``impl`` key the flat collectives take.
+
+  ``nbytes`` is the full, unscattered buffer (what "auto" looks up, with ``torus``).
+  """
   if config is not None and not isinstance(config, KernelConfig):
     raise ValueError(f"config must be a tc.KernelConfig or None, got {config=}")
-  return registry.resolve(op, implementation, dtype), config
+  return registry.resolve(op, implementation, dtype, nbytes=nbytes, torus=torus), config
+
+
+def _nbytes(x: jax.Array) -> int:
+  return x.size * jnp.dtype(x.dtype).itemsize
 
 
 def _dimension(value: int, ndim: int, name: str) -> int:
@@ -125,7 +134,7 @@ def reduce_scatter(
 ) -> jax.Array:
   """Sums ``x`` over ``axis_name`` and keeps this device's chunk; as ``lax.psum_scatter``."""
   axes, torus = _bound_axes(axis_name)
-  impl = _implementation("reduce_scatter", implementation, x.dtype, config)
+  impl = _implementation("reduce_scatter", implementation, x.dtype, config, _nbytes(x), torus)
   p = math.prod(torus)
   dim = _dimension(scatter_dimension, x.ndim, "scatter_dimension")
   size = x.shape[dim]
@@ -159,8 +168,8 @@ def all_gather(
 ) -> jax.Array:
   """Concatenates (``tiled``) or stacks ``x`` from every device; as ``lax.all_gather``."""
   axes, torus = _bound_axes(axis_name)
-  impl = _implementation("all_gather", implementation, x.dtype, config)
   p = math.prod(torus)
+  impl = _implementation("all_gather", implementation, x.dtype, config, p * _nbytes(x), torus)
   dim = _dimension(axis, x.ndim if tiled else x.ndim + 1, "axis")
   if impl[0] == "xla":
     return lax.all_gather(x, axis_name, axis=dim, tiled=tiled)
@@ -180,7 +189,7 @@ def all_reduce(
 ) -> jax.Array:
   """Sums ``x`` over ``axis_name``; as ``lax.psum``."""
   axes, torus = _bound_axes(axis_name)
-  impl = _implementation("all_reduce", implementation, x.dtype, config)
+  impl = _implementation("all_reduce", implementation, x.dtype, config, _nbytes(x), torus)
   if impl[0] == "xla":
     return lax.psum(x, axis_name)
   flat = ensure_varying(x.reshape(-1), axes)

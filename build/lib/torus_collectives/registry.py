@@ -1,20 +1,20 @@
 """The one registry of implementations: which exist, what each supports, what "auto" picks.
 
 Four ops have implementations: the three collectives (``all_reduce``, ``reduce_scatter``,
-``all_gather``) and ``batch_norm``.
+``all_gather``) and ``batch_norm``; the gradient summation of a pytree
+(``all_reduce_gradients``) is tuned as a fifth op and runs the all-reduce it picks.
 
 * ``"xla"``: ``jax.lax`` for the collectives, the jnp passes of ``batch_norm_passes`` (fused
   by XLA) for batch norm. The reference; runs everywhere, on whatever lax accepts.
 * ``"shard_map"``: the torus schedule executed with ``lax.ppermute`` (collectives only).
+* ``"lax_torus"``: the torus schedule's phases as per-axis ``lax.psum_scatter`` /
+  ``lax.all_gather`` (collectives only; ``lax_torus_backend``).
 * ``"pallas"``: the remote-DMA torus kernels and the fused batch-norm kernels of
   ``torus_collectives.kernels``; TPU v4 and newer, or TPU interpret mode on any host.
-* ``"auto"``: one rule for every op, ``auto_implementation``.
-
-The ``auto`` rule: XLA off TPU, where it was measured fastest (the benchmarks in ``bench/``
-show XLA's in-process collectives ahead of any ppermute schedule on CPU; on GPU nothing was
-measured, so XLA's NCCL collectives stay). On TPU v4 and newer the Pallas kernels, on TPU
-v2/v3 the shard_map schedule (these TPU choices are not measured). An op or dtype the
-chosen implementation does not support falls back to XLA.
+* ``"auto"``: one rule for every op, ``auto_implementation``: what the tuner measured
+  (``tuning``), XLA where nothing was measured, and XLA without measuring below the size at
+  which the cost model's latency term dominates. An op or dtype the measured choice does not
+  support falls back to XLA.
 
 Backends are imported lazily, so ``import torus_collectives`` never imports Pallas.
 A collective backend provides three functions on 1-D per-device buffers, called inside the
@@ -37,11 +37,11 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from torus_collectives import platform
+from torus_collectives import platform, tuning
 from torus_collectives.batch_norm_passes import REFERENCE, Passes
 from torus_collectives.configs import KernelConfig
 
-Implementation = Literal["auto", "xla", "shard_map", "pallas"]
+Implementation = Literal["auto", "xla", "shard_map", "lax_torus", "pallas"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(Implementation)
 Op = Literal["all_reduce", "reduce_scatter", "all_gather", "batch_norm"]
 OPS: tuple[str, ...] = typing.get_args(Op)
@@ -54,6 +54,7 @@ _FLOATS = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 SUPPORTED_DTYPES: dict[str, dict[str, tuple[jnp.dtype, ...] | None]] = {
   "xla": dict.fromkeys(OPS),
   "shard_map": dict.fromkeys(COLLECTIVES, _SUMMED),
+  "lax_torus": dict.fromkeys(COLLECTIVES, _SUMMED),
   "pallas": {**dict.fromkeys(COLLECTIVES, _SUMMED), "batch_norm": _FLOATS},
 }
 
@@ -64,21 +65,68 @@ def supports(implementation: str, op: Op, dtype) -> bool:
   return op in table and (table[op] is None or jnp.dtype(dtype) in table[op])
 
 
-def auto_implementation(op: Op = "all_reduce", dtype=jnp.float32) -> str:
-  """The implementation "auto" picks for ``op`` on ``dtype`` on the traced-for device."""
-  device = platform.target_device()
-  choice = "xla"
-  if device.platform == "tpu":
-    choice = "pallas" if platform.pallas_compiles_for(device.device_kind) else "shard_map"
-  return choice if supports(choice, op, dtype) else "xla"
+# The ops "auto" decides for; gradient summation runs on all-reduce's implementations.
+TUNED_OPS = OPS + ("all_reduce_gradients",)
 
 
-def resolve(op: Op, implementation: str, dtype) -> str:
-  """The concrete implementation to run; raises ValueError on a name or dtype it lacks."""
+def _runs_as(op: str) -> Op:
+  return "all_reduce" if op == "all_reduce_gradients" else op
+
+
+def candidates(op: str, dtype, device_kind: str | None = None) -> tuple[str, ...]:
+  """The concrete implementations of ``op`` that run on ``dtype`` here, "xla" first.
+
+  Pallas runs on TPU v4 and newer (``device_kind``, default: the traced-for device) or in
+  TPU interpret mode.
+  """
+  if device_kind is None:
+    device_kind = platform.target_device().device_kind
+  pallas = platform.pallas_compiles_for(device_kind) or platform.interpret_mode_active()
+  return tuple(
+    name
+    for name in IMPLEMENTATIONS
+    if name != "auto" and (name != "pallas" or pallas) and supports(name, _runs_as(op), dtype)
+  )
+
+
+def auto_implementation(
+  op: str = "all_reduce",
+  dtype=jnp.float32,
+  *,
+  nbytes: int | None = None,
+  torus: tuple[int, ...] = (),
+) -> str:
+  """The implementation "auto" picks for ``op`` on ``nbytes`` of ``dtype`` over a torus of
+  axis sizes ``torus`` (batch norm: the group's tile), on the traced-for device.
+
+  XLA unless the tuner measured something faster for this (device kind, topology, op,
+  dtype, size): see ``tuning``. Without ``nbytes`` nothing can be looked up: XLA.
+  """
+  if op not in TUNED_OPS:
+    raise ValueError(f"unknown {op=}: one of {TUNED_OPS}")
+  device_kind = platform.target_device().device_kind
+  if nbytes is None or len(candidates(op, dtype, device_kind)) < 2:
+    return "xla"
+  if op != "batch_norm" and nbytes < tuning.latency_floor_bytes(tuple(torus), device_kind):
+    return "xla"
+  choice = tuning.lookup(device_kind, torus, op, dtype, nbytes)
+  if choice is None:
+    tuning.log_unmeasured(device_kind, tuple(torus))
+    return "xla"
+  return choice if choice in candidates(op, dtype, device_kind) else "xla"
+
+
+def resolve(
+  op: Op, implementation: str, dtype, *, nbytes: int | None = None, torus: tuple[int, ...] = ()
+) -> str:
+  """The concrete implementation to run; raises ValueError on a name or dtype it lacks.
+
+  ``nbytes`` and ``torus`` are what "auto" looks up (see ``auto_implementation``).
+  """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"unknown {implementation=}: implementation must be one of {IMPLEMENTATIONS}")
   if implementation == "auto":
-    return auto_implementation(op, dtype)
+    return auto_implementation(op, dtype, nbytes=nbytes, torus=torus)
   if op not in SUPPORTED_DTYPES[implementation]:
     offered = [i for i in IMPLEMENTATIONS if i == "auto" or op in SUPPORTED_DTYPES[i]]
     raise ValueError(f'{op} has no implementation="{implementation}"; choose one of {offered}')
@@ -105,6 +153,10 @@ def collective_backend(name: str, config: KernelConfig | None = None) -> Collect
   """
   if name == "shard_map":
     from torus_collectives import shard_map_backend as impl
+
+    return CollectiveBackend(impl.reduce_scatter, impl.all_gather, impl.all_reduce)
+  if name == "lax_torus":
+    from torus_collectives import lax_torus_backend as impl
 
     return CollectiveBackend(impl.reduce_scatter, impl.all_gather, impl.all_reduce)
   if name == "pallas":
