@@ -4,7 +4,7 @@
 
 writes, next to the JSON:
   collectives_busbw.png   busbw against size, per collective, mesh and implementation
-  collectives_ratio.png   median time over the "xla" one, same run
+  collectives_ratio.png   time over the "xla" one: median of per-round ratios, same run
   throughput.png          items/s of the other benchmarks (batch norm, input pipeline,
                           training step), where the JSON has them
   cost_model_time_vs_p.png  the modelled pod-scale all-reduce (not measured)
@@ -31,6 +31,28 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 
 def _size_label(nbytes: int) -> str:
   return f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:g} KiB"
+
+
+def expand(benchmarks: list[dict]) -> list[dict]:
+  """One entry per variant: an interleaved benchmark (``extra_info["variants"]``, see
+  bench/conftest.py) becomes one entry per variant, with that variant's median as its
+  ``stats.median`` and its own figures merged into the shared ``extra_info``."""
+  out = []
+  for b in benchmarks:
+    info = b["extra_info"]
+    if "variants" not in info:
+      out.append(b)
+      continue
+    shared = {k: v for k, v in info.items() if k != "variants"}
+    for name, variant in info["variants"].items():
+      out.append(
+        {
+          "group": b["group"],
+          "stats": {"median": variant["median_s"]},
+          "extra_info": {**shared, **variant, "variant": name},
+        }
+      )
+  return out
 
 
 def _collective_entries(benchmarks: list[dict]) -> list[dict]:
@@ -122,7 +144,8 @@ def markdown(data: dict) -> str:
     " cores, 8 simulated CPU devices; timings on a shared machine are noisy.",
     "",
   ]
-  entries = _collective_entries(data["benchmarks"])
+  benchmarks = expand(data["benchmarks"])
+  entries = _collective_entries(benchmarks)
   impls = sorted(
     {b["extra_info"]["variant"] for b in entries}, key=lambda name: (name != "xla", name)
   )
@@ -147,7 +170,7 @@ def markdown(data: dict) -> str:
         ratio = info.get("time_ratio_to_xla")
         cells.append(f"{ratio:.2f}" if ratio is not None else "-")
       lines.append(f"| {collective} | {mesh} | {_size_label(nbytes)} | " + " | ".join(cells) + " |")
-  others = [b for b in data["benchmarks"] if "items_per_s" in b["extra_info"]]
+  others = [b for b in benchmarks if "items_per_s" in b["extra_info"]]
   if others:
     lines += [
       "",
@@ -169,7 +192,8 @@ def main(argv: list[str]) -> None:
   source = pathlib.Path(argv[0] if argv else "bench/results/latest.json")
   out = source.parent
   data = json.loads(source.read_text())
-  entries = _collective_entries(data["benchmarks"])
+  benchmarks = expand(data["benchmarks"])
+  entries = _collective_entries(benchmarks)
   if entries:
     plot_collectives(
       entries, "busbw_GBps", "busbw (GB/s)", out / "collectives_busbw.png", logy=True
@@ -182,7 +206,7 @@ def main(argv: list[str]) -> None:
       reference_line=1.0,
       logy=True,
     )
-  plot_throughput(data["benchmarks"], out / "throughput.png")
+  plot_throughput(benchmarks, out / "throughput.png")
   cost_model.plot_time_vs_p(str(out / "cost_model_time_vs_p.png"))
   (out / "latest.md").write_text(markdown(data))
   print((out / "latest.md").read_text())

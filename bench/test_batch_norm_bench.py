@@ -3,7 +3,8 @@
 Both normalize over all 8 replicas of a 2x4 mesh (synchronized batch norm), in training
 mode, at ResNet-50's activation shapes (the output of each stage, channels last) with a
 per-replica batch scaled down for CPU. The timed function is one jitted shard_map that
-computes the output and the gradients with respect to x, scale and bias.
+computes the output and the gradients with respect to x, scale and bias; the two variants
+of a layer are timed interleaved (``conftest.interleaved``).
 """
 
 import jax
@@ -55,9 +56,8 @@ def _fwd_bwd(norm):
   return step
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("layer", SHAPES)
-def test_batch_norm_fwd_bwd(benchmark, steady, layer, variant):
+def test_batch_norm_fwd_bwd(benchmark, interleaved, layer):
   mesh = tc.make_torus_mesh(MESH_SHAPE, AXES)
   h, w, c = LAYERS[layer]
   batch = PER_REPLICA_BATCH * mesh.size
@@ -66,23 +66,24 @@ def test_batch_norm_fwd_bwd(benchmark, steady, layer, variant):
   x = jax.device_put(jax.random.normal(key_x, (batch, h, w, c)), data)
   cotangent = jax.device_put(jax.random.normal(key_g, (batch, h, w, c)), data)
   scale, bias = jnp.full((c,), 1.5), jnp.full((c,), 0.25)
-  norm = {"torus_collectives[xla]": _ours, "flax": _flax}[variant]
-  fn = jax.jit(
-    jax.shard_map(
-      _fwd_bwd(norm),
-      mesh=mesh,
-      in_specs=(P(AXES), P(), P(), P(AXES)),
-      out_specs=(P(AXES), P(AXES), P(AXES), P(AXES)),
+  calls = {}
+  for variant in VARIANTS:
+    norm = {"torus_collectives[xla]": _ours, "flax": _flax}[variant]
+    fn = jax.jit(
+      jax.shard_map(
+        _fwd_bwd(norm),
+        mesh=mesh,
+        in_specs=(P(AXES), P(), P(), P(AXES)),
+        out_specs=(P(AXES), P(AXES), P(AXES), P(AXES)),
+      )
     )
-  )
+    calls[variant] = lambda fn=fn: fn(x, scale, bias, cotangent)
 
   benchmark.group = f"batch_norm fwd+bwd {layer} {batch}x{h}x{w}x{c}"
-  steady(fn, x, scale, bias, cotangent)
+  runs = interleaved(calls, baseline="flax")
 
-  benchmark.extra_info.update(
-    variant=variant,
-    baseline="flax",
-    layer=layer,
-    items_per_s=batch / benchmark.stats.stats.median,
-    unit="images/s",
-  )
+  for variant in VARIANTS:
+    benchmark.extra_info["variants"][variant].update(
+      items_per_s=batch / runs.median(variant), unit="images/s"
+    )
+  benchmark.extra_info.update(layer=layer)

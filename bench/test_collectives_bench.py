@@ -3,8 +3,9 @@
 Sizes follow nccl-tests: ``S`` is the full, unscattered buffer (all-reduce: each device's
 input; reduce-scatter: each device's input; all-gather: each device's output), algbw is
 ``S / t`` and busbw is ``algbw * 2(n-1)/n`` for all-reduce, ``algbw * (n-1)/n`` for
-reduce-scatter and all-gather. Every implementation of a (collective, mesh, size) group
-runs in the same session, so ``time_ratio_to_xla`` compares like with like.
+reduce-scatter and all-gather. The implementations of a (collective, mesh, size) group are
+timed interleaved in one test (``conftest.interleaved``), so ``time_ratio_to_xla`` compares
+like with like: it is the median of per-round ratios.
 
 On CPU, the "devices" are threads of one process sharing the host's cores and memory:
 these numbers rank the implementations on this platform and say nothing about ICI.
@@ -21,7 +22,7 @@ from settings import FULL
 
 import torus_collectives as tc
 
-IMPLEMENTATIONS = ("xla", "shard_map", "auto")  # those that run on CPU; "xla" first
+IMPLEMENTATIONS = ("xla", "shard_map", "lax_torus", "auto")  # those that run on CPU
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 MESHES = ((2, 4), (1, 8))
 KiB, MiB = 2**10, 2**20
@@ -52,43 +53,46 @@ def bus_factor(collective: str, n: int) -> float:
 
 
 CASES = [
-  pytest.param(c, m, s, i, id=f"{c}-{m[0]}x{m[1]}-{_label(s)}-{i}")
-  for c, m, s, i in itertools.product(COLLECTIVES, MESHES, SIZES, IMPLEMENTATIONS)
+  pytest.param(c, m, s, id=f"{c}-{m[0]}x{m[1]}-{_label(s)}")
+  for c, m, s in itertools.product(COLLECTIVES, MESHES, SIZES)
 ]
 
 
-@pytest.mark.parametrize("collective,mesh_shape,nbytes,implementation", CASES)
-def test_collective(benchmark, steady, collective, mesh_shape, nbytes, implementation):
+@pytest.mark.parametrize("collective,mesh_shape,nbytes", CASES)
+def test_collective(benchmark, interleaved, collective, mesh_shape, nbytes):
   mesh = tc.make_torus_mesh(mesh_shape, AXES)
   n = mesh.size
   elements = nbytes // jnp.dtype(DTYPE).itemsize  # S, in elements
   per_device = elements // n if collective == "all_gather" else elements
   spec = P(AXES)
-  fn = jax.jit(
-    jax.shard_map(
-      _per_device_op(collective, implementation), mesh=mesh, in_specs=spec, out_specs=spec
-    )
-  )
   x = jax.jit(
     lambda: jnp.arange(n * per_device, dtype=DTYPE) % 7, out_shardings=NamedSharding(mesh, spec)
   )()
+  calls = {}
+  for implementation in IMPLEMENTATIONS:
+    fn = jax.jit(
+      jax.shard_map(
+        _per_device_op(collective, implementation), mesh=mesh, in_specs=spec, out_specs=spec
+      )
+    )
+    calls[implementation] = lambda fn=fn: fn(x)
 
   benchmark.group = f"{collective} {mesh_shape[0]}x{mesh_shape[1]} {_label(nbytes)}"
-  out = steady(fn, x)
+  runs = interleaved(calls, baseline="xla")
 
   expected = {"all_reduce": elements, "reduce_scatter": elements // n, "all_gather": elements}[
     collective
   ]
-  assert out.shape == (n * expected,)
-  algbw = nbytes / benchmark.stats.stats.median
+  for implementation in IMPLEMENTATIONS:
+    assert calls[implementation]().shape == (n * expected,)
+    algbw = nbytes / runs.median(implementation)
+    benchmark.extra_info["variants"][implementation].update(
+      algbw_GBps=algbw / 1e9, busbw_GBps=algbw * bus_factor(collective, n) / 1e9
+    )
   benchmark.extra_info.update(
     collective=collective,
     mesh=f"{mesh_shape[0]}x{mesh_shape[1]}",
     devices=n,
     nbytes=nbytes,
     dtype=jnp.dtype(DTYPE).name,
-    variant=implementation,
-    baseline="xla",
-    algbw_GBps=algbw / 1e9,
-    busbw_GBps=algbw * bus_factor(collective, n) / 1e9,
   )

@@ -9,7 +9,10 @@ batch, optimizer and devices:
   "flax"               the usual approach: ``lax.pmean`` of the gradients and
                        ``flax.linen.BatchNorm(axis_name=...)``.
 Batch norm statistics span all 8 replicas in both (group size 8), so the two compute the
-same function. The state is not donated here, so every round reuses the same inputs.
+same function. The state is not donated here, so every round reuses the same inputs. The
+two variants are timed interleaved (``conftest.interleaved``); "auto" reads the tuning
+tables (see ``torus_collectives.tuning``), and the implementation it picked for the
+gradient summation is recorded.
 
 Input pipeline: resnet/input_pipeline.py on the embedded digits, with the default config's
 preprocessing, cache, shuffle buffer and device prefetch; one round pulls one global
@@ -20,7 +23,6 @@ is timed alone; in training it shares the cores with the step.
 
 import jax
 import jax.numpy as jnp
-import pytest
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -29,6 +31,7 @@ from settings import FULL
 import torus_collectives as tc
 from resnet import data_sources, input_pipeline, models, optim, train
 from resnet.configs import default
+from torus_collectives import tune
 
 CONFIG = default.get_config()
 # ResNet-50 (what ``make train`` trains) takes minutes to compile on two shared cores, so
@@ -37,6 +40,7 @@ CONFIG.model = "resnet50" if FULL else "resnet18"
 MESH_SHAPE = tuple(CONFIG.mesh_shape)
 NUM_REPLICAS = MESH_SHAPE[0] * MESH_SHAPE[1]
 NUM_CLASSES = 10
+VARIANTS = ("flax", "torus_collectives")  # the baseline first
 GROUP = (
   f"{CONFIG.model} train step, {CONFIG.image_size}x{CONFIG.image_size} "
   f"{CONFIG.dtype}, global batch {CONFIG.global_batch_size}, "
@@ -97,16 +101,8 @@ def _step_and_state(mesh, batch_norm, average_gradients):
   return step, state
 
 
-@pytest.mark.parametrize("variant", ("flax", "torus_collectives"))
-def test_train_step(benchmark, steady, variant):
+def test_train_step(benchmark, interleaved):
   mesh = tc.make_torus_mesh(MESH_SHAPE)
-  if variant == "flax":
-    average_gradients = lax.pmean
-  else:
-    average_gradients = lambda grads, axes: tc.all_reduce_gradients(
-      grads, axes, implementation=CONFIG.grad_implementation
-    )
-  step, state = _step_and_state(mesh, variant, average_gradients)
   key_image, key_label = jax.random.split(jax.random.key(1))
   shape = (CONFIG.global_batch_size, CONFIG.image_size, CONFIG.image_size, 3)
   batch = jax.device_put(
@@ -116,21 +112,35 @@ def test_train_step(benchmark, steady, variant):
     },
     NamedSharding(mesh, P(mesh.axis_names)),
   )
+  calls, states = {}, {}
+  for variant in VARIANTS:
+    if variant == "flax":
+      average_gradients = lax.pmean
+    else:
+      average_gradients = lambda grads, axes: tc.all_reduce_gradients(
+        grads, axes, implementation=CONFIG.grad_implementation
+      )
+    step, states[variant] = _step_and_state(mesh, variant, average_gradients)
+    calls[variant] = lambda step=step, state=states[variant]: step(state, batch)
 
   benchmark.group = GROUP
-  _, metrics = steady(step, state, batch)
+  runs = interleaved(calls, baseline="flax")
 
-  assert jnp.isfinite(metrics["train_loss"])
+  for variant in VARIANTS:
+    _, metrics = calls[variant]()
+    assert jnp.isfinite(metrics["train_loss"])
+    benchmark.extra_info["variants"][variant].update(
+      items_per_s=CONFIG.global_batch_size / runs.median(variant), unit="images/s"
+    )
+  gradients = tune.gradients_case(mesh, states["torus_collectives"].params)
+  benchmark.extra_info["variants"]["torus_collectives"]["grad_implementation"] = (
+    f"{CONFIG.grad_implementation} -> {tune.auto_choice(gradients, mesh)}"
+  )
   benchmark.extra_info.update(
-    variant=variant,
-    baseline="flax",
     model=CONFIG.model,
     image_size=CONFIG.image_size,
     global_batch=CONFIG.global_batch_size,
     bn_group_size=NUM_REPLICAS,
-    grad_implementation=CONFIG.grad_implementation if variant != "flax" else "lax.pmean",
-    items_per_s=CONFIG.global_batch_size / benchmark.stats.stats.median,
-    unit="images/s",
   )
 
 

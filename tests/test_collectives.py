@@ -65,6 +65,11 @@ CASES = [("2x4", a, "shard_map") for a in AXES] + [
   ("8x1", "yx", "shard_map"),
   ("2x2", "xy", "shard_map"),
   ("2x4", "xy", "auto"),
+  # The schedule's phases on lax's per-axis collectives: both orders, a long axis, one axis.
+  ("2x4", "xy", "lax_torus"),
+  ("4x2", "yx", "lax_torus"),
+  ("1x8", "xy", "lax_torus"),
+  ("2x4", "y", "lax_torus"),
 ]
 
 
@@ -83,19 +88,20 @@ def test_exact_against_lax(mesh_name, axes, dtype, impl):
       np.testing.assert_array_equal(np.asarray(o, np.float64), np.asarray(r, np.float64))
 
 
+@pytest.mark.parametrize("impl", ["shard_map", "lax_torus"])
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize(
   "dtype,eps", [(jnp.float32, 2.0**-23), (jnp.bfloat16, 2.0**-8)], ids=["f32", "bf16"]
 )
-def test_random_floats_within_rounding_bound(dtype, eps, check_vma):
+def test_random_floats_within_rounding_bound(dtype, eps, check_vma, impl):
   """|ours - exact| <= p * eps * sum_i |x_i|: at most p roundings of partial sums."""
   mesh = mesh_of("2x4")
   p = mesh.size
   x = np.random.default_rng(1).standard_normal((p, 4 * p, 33)).astype(np.float32)
   x = np.asarray(jnp.asarray(x, dtype), np.float64)  # exact values of the inputs
   fn = lambda v: (
-    tc.all_reduce(v, ("x", "y"), implementation="shard_map"),
-    tc.reduce_scatter(v, ("x", "y"), tiled=True, implementation="shard_map"),
+    tc.all_reduce(v, ("x", "y"), implementation=impl),
+    tc.reduce_scatter(v, ("x", "y"), tiled=True, implementation=impl),
   )
   summed, scattered = per_device(fn, mesh, jnp.asarray(x, dtype), check_vma=check_vma)
   exact = x.sum(0)
@@ -106,9 +112,10 @@ def test_random_floats_within_rounding_bound(dtype, eps, check_vma):
     assert np.all(np.abs(np.asarray(scattered[d], np.float64) - exact[rows]) <= bound[rows])
 
 
+@pytest.mark.parametrize("impl", ["shard_map", "lax_torus"])
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("op", ["reduce_scatter", "all_gather", "all_reduce"])
-def test_gradients_match_lax(op, check_vma):
+def test_gradients_match_lax(op, check_vma, impl):
   mesh = mesh_of("2x4")
   p, axis_name = mesh.size, ("x", "y")
   x = jnp.asarray(small_integers((p, 2 * p, 3), np.float32, seed=3))
@@ -118,21 +125,19 @@ def test_gradients_match_lax(op, check_vma):
     def body(x, w):
       if op == "reduce_scatter":
         out = (
-          tc.reduce_scatter(x, axis_name, tiled=True, implementation="shard_map")
+          tc.reduce_scatter(x, axis_name, tiled=True, implementation=impl)
           if ours
           else lax.psum_scatter(x, axis_name, tiled=True)
         )
         return jnp.sum(out * w[: out.shape[0]])
       if op == "all_gather":
         out = (
-          tc.all_gather(x, axis_name, tiled=True, implementation="shard_map")
+          tc.all_gather(x, axis_name, tiled=True, implementation=impl)
           if ours
           else lax.all_gather(x, axis_name, tiled=True)
         )
         return jnp.sum(out * jnp.tile(w, (p, 1)))
-      out = (
-        tc.all_reduce(x, axis_name, implementation="shard_map") if ours else lax.psum(x, axis_name)
-      )
+      out = tc.all_reduce(x, axis_name, implementation=impl) if ours else lax.psum(x, axis_name)
       return jnp.sum(out * w)
 
     losses = per_device(lambda a, b: body(a, b), mesh, x, weights, check_vma=check_vma)
@@ -159,3 +164,27 @@ def test_all_reduce_result_is_invariant_under_check_vma():
 
 def test_auto_is_xla_on_cpu():
   assert tc.auto_implementation() == "xla"
+
+
+def test_lax_torus_runs_the_split_schedule_as_two_per_axis_chains():
+  """x-then-y and y-then-x, each a reduce-scatter and an all-gather per axis, from
+  schedule.py; directions are lax's business, so the four streams make two chains."""
+  from torus_collectives import lax_torus_backend
+
+  rs, ag = "reduce_scatter", "all_gather"
+  assert lax_torus_backend.chains("all_reduce", (2, 4)) == (
+    ((rs, 0), (rs, 1), (ag, 1), (ag, 0)),
+    ((rs, 1), (rs, 0), (ag, 0), (ag, 1)),
+  )
+  assert lax_torus_backend.chains("all_reduce", (8,)) == (((rs, 0), (ag, 0)),)
+  mesh = mesh_of("2x4")
+  f = jax.shard_map(
+    lambda v: tc.all_reduce(v, ("x", "y"), implementation="lax_torus"),
+    mesh=mesh,
+    in_specs=jax.P(("x", "y")),
+    out_specs=jax.P(("x", "y")),
+  )
+  program = jax.jit(f).lower(jnp.zeros(8 * 64)).as_text()
+  assert program.count("stablehlo.reduce_scatter") == 4
+  assert program.count("stablehlo.all_gather") == 4
+  assert "stablehlo.all_reduce" not in program and "collective_permute" not in program

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("libtpu")
 
 from bench import aot_report  # noqa: E402
+from torus_collectives import tuning  # noqa: E402
 
 pytestmark = pytest.mark.aot
 
@@ -49,12 +50,25 @@ def test_resnet50_gradient_compiles(dtype):
   assert compiled.as_text().count(MOSAIC) >= 2
 
 
-def test_auto_uses_pallas_on_v5e_and_the_fallback_on_v3():
+def test_auto_on_tpu_is_xla_unless_a_table_says_otherwise(tmp_path, monkeypatch):
+  """Unmeasured, "auto" lowers XLA's all-reduce; a table entry for the device kind and
+  torus turns it into the kernels on v5e; on v3, where Pallas cannot run, it stays XLA."""
+  monkeypatch.setenv(tuning.ENV_VAR, str(tmp_path / "cache.json"))
+  monkeypatch.setattr(tuning, "SHIPPED_DIR", tmp_path)
+  elements = 2**22  # 16 MiB of float32, above the latency floor of a 4x4 torus
   for topology, uses_pallas in (("v5e:4x4", True), ("v3:4x4", False)):
-    lowered = aot_report.lower_all_reduce(
-      aot_report.topology_mesh(topology), 1024, jnp.float32, "auto"
+    mesh = aot_report.topology_mesh(topology)
+    lower = lambda m=mesh: aot_report.lower_all_reduce(m, elements, jnp.float32, "auto").as_text()
+    assert MOSAIC not in lower(), topology
+    measured = tuning.Entry(
+      "4x4", "all_reduce", "float32", tuning.size_bucket(4 * elements), "pallas", {}, 1
     )
-    assert (MOSAIC in lowered.as_text()) == uses_pallas, topology
+    kind = mesh.devices.flat[0].device_kind
+    tuning.use_table(tuning.Table(kind, "test", tuning.now(), [measured]))
+    try:
+      assert (MOSAIC in lower()) == uses_pallas, topology
+    finally:
+      tuning.use_table(None)
 
 
 def test_pallas_on_v3_is_refused_before_compiling():

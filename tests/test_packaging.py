@@ -52,6 +52,7 @@ def test_wheel_has_one_top_level_package(wheel):
   assert top_level == {"torus_collectives"}
   assert "torus_collectives/kernels/torus_kernels.py" in names
   assert "torus_collectives/kernels/pallas_backend.py" in names
+  assert any(n.startswith("torus_collectives/tuned/") and n.endswith(".json") for n in names)
   assert not any(
     n.startswith(("torus_collectives/resnet", "torus_collectives/bench")) for n in names
   )

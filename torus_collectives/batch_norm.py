@@ -176,7 +176,6 @@ def batch_norm(
     raise ValueError(f"x must be floating point, got {x.dtype=}")
   if not epsilon > 0:
     raise ValueError(f"epsilon must be positive, got {epsilon=}")
-  impl = registry.resolve("batch_norm", implementation, x.dtype)
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise ValueError(f"block_sizes must be a tc.BlockSizes or None, got {block_sizes=}")
   if axis_name is None:
@@ -186,6 +185,8 @@ def batch_norm(
   else:
     axis_names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     tile = groups.resolve_tile(group_size, _axis_sizes(axis_names))
+  nbytes = x.size * x.dtype.itemsize
+  impl = registry.resolve("batch_norm", implementation, x.dtype, nbytes=nbytes, torus=tile)
   cfg = _Config(axis_names, tile, float(epsilon), bool(relu), impl, block_sizes)
   y, mean, var = _batch_norm(x.reshape(-1, channels), scale, bias, cfg)
   return y.reshape(x.shape), lax.stop_gradient(mean), lax.stop_gradient(var)

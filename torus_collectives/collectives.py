@@ -79,6 +79,12 @@ def tile_of_groups(groups, sizes: tuple[int, ...], ordered: bool) -> tuple[int, 
   return None
 
 
+def _full_nbytes(op: str, leaves, group_size: int) -> int:
+  """The bytes of the whole (unscattered, gathered) buffer: what "auto" looks up."""
+  nbytes = sum(jnp.size(leaf) * jnp.result_type(leaf).itemsize for leaf in leaves)
+  return nbytes * group_size if op == "all_gather" else nbytes
+
+
 def _state(leaf, names) -> str:
   mat = jax.typeof(leaf).mat
   for kind in ("unreduced", "reduced"):
@@ -118,6 +124,8 @@ class _Call:
       to=to if vma_checked() else "varying",
       unreduced=any(_state(leaf, names) != "varying" for leaf in tracers),
       partial_manual=bool(manual) and manual != frozenset(mesh.axis_names),
+      nbytes=_full_nbytes(op, leaves, math.prod(self.tile)),
+      torus=self.tile,
     )
     self.implementation = registry.resolve_collective(implementation, request)
     if self.implementation != "xla" and len(set(names)) != len(names):
@@ -151,18 +159,31 @@ class _Call:
     return ensure_varying(leaf, self.mesh_names)
 
 
-def _torus_candidate(op: str, implementation: str, leaves) -> bool:
+def _torus_candidate(op: str, implementation: str, leaves, axis_name) -> bool:
   """Whether the call may run on a torus implementation; if not, lax runs it untouched
-  (so "xla", and "auto" wherever it means lax, inspect nothing lax would not)."""
+  (so "xla", and "auto" wherever it means lax, inspect nothing lax would not).
+
+  For "auto" this asks the tuning tables about the whole named torus; a call over replica
+  groups is looked up again, for its tile, by ``_Call``.
+  """
   if implementation == "xla" or not leaves:
     return False
   if implementation != "auto":
     return True
+  env = jax_core.get_axis_env()
+  names = _names(axis_name)
+  manual = frozenset(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+  if any(isinstance(a, int) or a not in manual or not env.axis_exists(a) for a in names):
+    return False  # lax raises, or the call spans vmap or positional axes: nothing measured
   try:
     dtypes = {jnp.result_type(leaf) for leaf in leaves}
   except TypeError:
     return False
-  return any(registry.auto_implementation(op, d) != "xla" for d in dtypes)
+  torus = tuple(env.axis_size(a) for a in names)
+  nbytes = _full_nbytes(op, leaves, math.prod(torus))
+  return any(
+    registry.auto_implementation(op, d, nbytes=nbytes, torus=torus) != "xla" for d in dtypes
+  )
 
 
 def _buckets(leaves: list[jax.Array]) -> dict[jnp.dtype, list[int]]:
@@ -185,7 +206,7 @@ def _prepare(x, op):
 def _sum(op, x, axis_name, axis_index_groups, implementation, config):
   """psum on the torus, or on lax when "xla"/"auto" say so."""
   _check_args(implementation, config)
-  if not _torus_candidate("all_reduce", implementation, jax.tree.leaves(x)):
+  if not _torus_candidate("all_reduce", implementation, jax.tree.leaves(x), axis_name):
     return None
   leaves, arrays, treedef = _prepare(x, op)
   if all(not isinstance(leaf, jax_core.Tracer) for leaf in leaves):
@@ -287,7 +308,7 @@ def psum_scatter(
     )
 
   _check_args(implementation, config)
-  if not _torus_candidate("reduce_scatter", implementation, jax.tree.leaves(x)):
+  if not _torus_candidate("reduce_scatter", implementation, jax.tree.leaves(x), axis_name):
     return on_lax()
   leaves, arrays, treedef = _prepare(x, "all_gather")
   call = _Call("reduce_scatter", arrays, axis_name, axis_index_groups, "varying", implementation)
@@ -371,7 +392,7 @@ def all_gather(
 
   _check_args(implementation, config)
   leaves = jax.tree.leaves(x)
-  if not _torus_candidate("all_gather", implementation, leaves) or to not in (
+  if not _torus_candidate("all_gather", implementation, leaves, axis_name) or to not in (
     "varying",
     "reduced",
     "invarying",

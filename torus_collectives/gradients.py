@@ -6,6 +6,11 @@ flat buckets of at most ``bucket_bytes`` (a larger leaf gets a bucket of its own
 bucket holds one dtype), each bucket is all-reduced once, and the results are unpacked.
 With ``transport_dtype`` (e.g. bfloat16) the buckets travel in that dtype; the torus
 implementations still accumulate floating-point partial sums in float32.
+
+Packing pays only for the torus implementations. When the implementation is XLA (what
+"auto" picks unless the tuner measured otherwise for this tree's size, as op
+``all_reduce_gradients``), the tree goes to ``lax.psum`` / ``lax.pmean`` leaf by leaf, with no
+concatenate or slice copies: XLA's all-reduce combiner fuses those collectives itself.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from torus_collectives import registry
 from torus_collectives.collectives import AxisName, all_reduce
 
 DEFAULT_BUCKET_BYTES = 32 * 2**20
@@ -62,7 +68,21 @@ def all_reduce_gradients(
         "filter integer leaves out of the tree first"
       )
   wire = [leaf if transport_dtype is None else leaf.astype(transport_dtype) for leaf in leaves]
-  scale = 1.0 / math.prod(lax.axis_size(a) for a in axes) if mean else 1.0
+  torus = tuple(lax.axis_size(a) for a in axes)
+  scale = 1.0 / math.prod(torus) if mean else 1.0
+  nbytes = sum(w.size * w.dtype.itemsize for w in wire)
+  dtype = max(wire, key=lambda w: w.size * w.dtype.itemsize).dtype if wire else jnp.float32
+  if implementation == "auto":
+    implementation = registry.auto_implementation(
+      "all_reduce_gradients", dtype, nbytes=nbytes, torus=torus
+    )
+  implementation = registry.resolve("all_reduce", implementation, dtype)
+  if implementation == "xla":
+    if transport_dtype is None:
+      return (lax.pmean if mean else lax.psum)(tree, axis_name)
+    summed = lax.psum(wire, axis_name)
+    out = [(s.astype(jnp.float32) * scale).astype(g.dtype) for s, g in zip(summed, leaves)]
+    return jax.tree.unflatten(treedef, out)
   out: list[jax.Array | None] = [None] * len(leaves)
   for bucket in _buckets(wire, bucket_bytes):
     flat = jnp.concatenate([wire[i].reshape(-1) for i in bucket])

@@ -1,20 +1,20 @@
 """The one registry of implementations: which exist, what each supports, what "auto" picks.
 
 Four ops have implementations: the three collectives (``all_reduce``, ``reduce_scatter``,
-``all_gather``) and ``batch_norm``.
+``all_gather``) and ``batch_norm``; the gradient summation of a pytree
+(``all_reduce_gradients``) is tuned as a fifth op and runs the all-reduce it picks.
 
 * ``"xla"``: ``jax.lax`` for the collectives, the jnp passes of ``batch_norm_passes`` (fused
   by XLA) for batch norm. The reference; runs everywhere, on whatever lax accepts.
 * ``"shard_map"``: the torus schedule executed with ``lax.ppermute`` (collectives only).
+* ``"lax_torus"``: the torus schedule's phases as per-axis ``lax.psum_scatter`` /
+  ``lax.all_gather`` (collectives only; ``lax_torus_backend``).
 * ``"pallas"``: the remote-DMA torus kernels and the fused batch-norm kernels of
   ``torus_collectives.kernels``; TPU v4 and newer, or TPU interpret mode on any host.
-* ``"auto"``: one rule for every op, ``auto_implementation``.
-
-The ``auto`` rule: XLA off TPU, where it was measured fastest (the benchmarks in ``bench/``
-show XLA's in-process collectives ahead of any ppermute schedule on CPU; on GPU nothing was
-measured, so XLA's NCCL collectives stay). On TPU v4 and newer the Pallas kernels, on TPU
-v2/v3 the shard_map schedule (these TPU choices are not measured). An op or dtype the
-chosen implementation does not support falls back to XLA.
+* ``"auto"``: one rule for every op, ``auto_implementation``: what the tuner measured
+  (``tuning``), XLA where nothing was measured, and XLA without measuring below the size at
+  which the cost model's latency term dominates. An op or dtype the measured choice does not
+  support falls back to XLA.
 
 Backends are imported lazily, so ``import torus_collectives`` never imports Pallas.
 A collective backend provides three functions on 1-D per-device buffers, called inside the
@@ -41,11 +41,11 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from torus_collectives import platform
+from torus_collectives import platform, tuning
 from torus_collectives.batch_norm_passes import REFERENCE, Passes
 from torus_collectives.configs import KernelConfig
 
-Implementation = Literal["auto", "xla", "shard_map", "pallas"]
+Implementation = Literal["auto", "xla", "shard_map", "lax_torus", "pallas"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(Implementation)
 Op = Literal["all_reduce", "reduce_scatter", "all_gather", "batch_norm"]
 OPS: tuple[str, ...] = typing.get_args(Op)
@@ -58,9 +58,9 @@ _FLOATS = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 SUPPORTED_DTYPES: dict[str, dict[str, tuple[jnp.dtype, ...] | None]] = {
   "xla": dict.fromkeys(OPS),
   "shard_map": dict.fromkeys(COLLECTIVES),
+  "lax_torus": dict.fromkeys(COLLECTIVES),
   "pallas": {**dict.fromkeys(COLLECTIVES, _SUMMED), "batch_norm": _FLOATS},
 }
-
 
 # The torus implementations run on tori of at most this many named mesh axes.
 MAX_TORUS_AXES = 2
@@ -72,13 +72,55 @@ def supports(implementation: str, op: Op, dtype) -> bool:
   return op in table and (table[op] is None or jnp.dtype(dtype) in table[op])
 
 
-def auto_implementation(op: Op = "all_reduce", dtype=jnp.float32) -> str:
-  """The implementation "auto" picks for ``op`` on ``dtype`` on the traced-for device."""
-  device = platform.target_device()
-  choice = "xla"
-  if device.platform == "tpu":
-    choice = "pallas" if platform.pallas_compiles_for(device.device_kind) else "shard_map"
-  return choice if supports(choice, op, dtype) else "xla"
+# The ops "auto" decides for; gradient summation runs on all-reduce's implementations.
+TUNED_OPS = OPS + ("all_reduce_gradients",)
+
+
+def _runs_as(op: str) -> Op:
+  return "all_reduce" if op == "all_reduce_gradients" else op
+
+
+def candidates(op: str, dtype, device_kind: str | None = None) -> tuple[str, ...]:
+  """The concrete implementations of ``op`` that run on ``dtype`` here, "xla" first.
+
+  Pallas runs on TPU v4 and newer (``device_kind``, default: the traced-for device) or in
+  TPU interpret mode.
+  """
+  if device_kind is None:
+    device_kind = platform.target_device().device_kind
+  pallas = platform.pallas_compiles_for(device_kind) or platform.interpret_mode_active()
+  return tuple(
+    name
+    for name in IMPLEMENTATIONS
+    if name != "auto" and (name != "pallas" or pallas) and supports(name, _runs_as(op), dtype)
+  )
+
+
+def auto_implementation(
+  op: str = "all_reduce",
+  dtype=jnp.float32,
+  *,
+  nbytes: int | None = None,
+  torus: tuple[int, ...] = (),
+) -> str:
+  """The implementation "auto" picks for ``op`` on ``nbytes`` of ``dtype`` over a torus of
+  axis sizes ``torus`` (batch norm: the group's tile), on the traced-for device.
+
+  XLA unless the tuner measured something faster for this (device kind, topology, op,
+  dtype, size): see ``tuning``. Without ``nbytes`` nothing can be looked up: XLA.
+  """
+  if op not in TUNED_OPS:
+    raise ValueError(f"unknown {op=}: one of {TUNED_OPS}")
+  device_kind = platform.target_device().device_kind
+  if nbytes is None or len(torus) > MAX_TORUS_AXES or len(candidates(op, dtype, device_kind)) < 2:
+    return "xla"
+  if op != "batch_norm" and nbytes < tuning.latency_floor_bytes(tuple(torus), device_kind):
+    return "xla"
+  choice = tuning.lookup(device_kind, torus, op, dtype, nbytes)
+  if choice is None:
+    tuning.log_unmeasured(device_kind, tuple(torus))
+    return "xla"
+  return choice if choice in candidates(op, dtype, device_kind) else "xla"
 
 
 def check_name(implementation: str) -> None:
@@ -87,11 +129,16 @@ def check_name(implementation: str) -> None:
     raise ValueError(f"unknown {implementation=}: implementation must be one of {IMPLEMENTATIONS}")
 
 
-def resolve(op: Op, implementation: str, dtype) -> str:
-  """The concrete implementation to run; raises ValueError on a name or dtype it lacks."""
+def resolve(
+  op: Op, implementation: str, dtype, *, nbytes: int | None = None, torus: tuple[int, ...] = ()
+) -> str:
+  """The concrete implementation to run; raises ValueError on a name or dtype it lacks.
+
+  ``nbytes`` and ``torus`` are what "auto" looks up (see ``auto_implementation``).
+  """
   check_name(implementation)
   if implementation == "auto":
-    return auto_implementation(op, dtype)
+    return auto_implementation(op, dtype, nbytes=nbytes, torus=torus)
   if op not in SUPPORTED_DTYPES[implementation]:
     offered = [i for i in IMPLEMENTATIONS if i == "auto" or op in SUPPORTED_DTYPES[i]]
     raise ValueError(f'{op} has no implementation="{implementation}"; choose one of {offered}')
@@ -119,6 +166,8 @@ class CollectiveRequest:
     to: the all-gather's ``to=``.
     unreduced: a leaf is typed unreduced or reduced over the named axes.
     partial_manual: the enclosing shard_map leaves some mesh axes automatic.
+    nbytes: the full (unscattered) buffer's bytes, which "auto" looks up with ``torus``.
+    torus: the sizes of the named mesh axes.
   """
 
   op: str
@@ -130,6 +179,8 @@ class CollectiveRequest:
   to: str = "varying"
   unreduced: bool = False
   partial_manual: bool = False
+  nbytes: int | None = None
+  torus: tuple[int, ...] = ()
 
 
 def unsupported(implementation: str, request: CollectiveRequest) -> Exception | None:
@@ -151,11 +202,11 @@ def unsupported(implementation: str, request: CollectiveRequest) -> Exception | 
       f'implementation="{implementation}" runs on tori of at most {MAX_TORUS_AXES} mesh axes, '
       f"got {request.mesh_axes}; {hint}"
     )
-  if request.groups == "other" or (request.groups and implementation == "pallas"):
+  if request.groups == "other" or (request.groups and implementation != "shard_map"):
     return ValueError(
       f'implementation="{implementation}" runs axis_index_groups only when they are aligned '
       "tiles of the torus, listed row-major"
-      + (' (and only with "shard_map")' if implementation == "pallas" else "")
+      + (' (and only with "shard_map")' if implementation != "shard_map" else "")
       + f"; {hint}"
     )
   if request.to not in ("varying", "invarying"):
@@ -181,7 +232,8 @@ def resolve_collective(implementation: str, request: CollectiveRequest) -> str:
   if implementation == "xla":
     return "xla"
   if implementation == "auto":
-    choice = auto_implementation(request.op, request.dtypes[0] if request.dtypes else jnp.float32)
+    dtype = request.dtypes[0] if request.dtypes else jnp.float32
+    choice = auto_implementation(request.op, dtype, nbytes=request.nbytes, torus=request.torus)
     return "xla" if choice == "xla" or unsupported(choice, request) else choice
   error = unsupported(implementation, request)
   if error is not None:
@@ -203,6 +255,10 @@ def collective_backend(name: str, config: KernelConfig | None = None) -> Collect
   """
   if name == "shard_map":
     from torus_collectives import shard_map_backend as impl
+
+    return CollectiveBackend(impl.reduce_scatter, impl.all_gather, impl.all_reduce)
+  if name == "lax_torus":
+    from torus_collectives import lax_torus_backend as impl
 
     return CollectiveBackend(impl.reduce_scatter, impl.all_gather, impl.all_reduce)
   if name == "pallas":

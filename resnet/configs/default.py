@@ -58,6 +58,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.label_smoothing = 0.1
   # Gradient summation backend of torus_collectives ('auto', 'xla', 'shard_map', ...).
   c.grad_implementation = 'auto'
+  # Time the gradient summation and batch norms of this model on this mesh before training
+  # (resnet/tuning.py), so that 'auto' runs what is measured fastest here.
+  c.tune = False
 
   # Bookkeeping.
   c.seed = 0

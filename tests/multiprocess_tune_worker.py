@@ -1,0 +1,73 @@
+"""One process of the two-process tuning test: ``python multiprocess_tune_worker.py PORT ID``.
+
+Both processes tune the same cases on a 2x4 torus (4 simulated CPU devices each), with a
+fake timer whose verdicts disagree between the processes. Each prints its table's choices
+and a hash of the compiled "auto" program; the test checks that they agree.
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+MiB = 2**20
+# Seconds per call as each process would measure them: they disagree on every case.
+VERDICTS = {
+  0: {"xla": 1.0, "shard_map": 2.0, "lax_torus": 0.5},  # process 0: lax_torus wins
+  1: {"xla": 1.0, "shard_map": 0.5, "lax_torus": 2.0},  # process 1: shard_map wins
+}
+
+
+def main(port: int, process_id: int) -> None:
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=2,
+    process_id=process_id,
+    initialization_timeout=120,
+  )
+  import torus_collectives as tc
+  from torus_collectives import tune
+
+  def timer(name, call):
+    jax.block_until_ready(call())  # every process runs every collective
+    return VERDICTS[process_id][name]
+
+  mesh = tc.make_torus_mesh((2, 4))
+  table = tune.tune(
+    mesh,
+    sizes=[MiB],
+    dtypes=["float32"],
+    ops=["all_reduce", "reduce_scatter"],
+    rounds=2,
+    timer=timer,
+    output="",
+    progress=None,
+  )
+  choices = {f"{e.op}": e.choice for e in table.entries}
+
+  spec = P(("x", "y"))
+  body = lambda v: (tc.all_reduce(v, ("x", "y")), tc.reduce_scatter(v, ("x", "y"), tiled=True))
+  x = jax.ShapeDtypeStruct((8 * MiB // 4,), jnp.float32, sharding=NamedSharding(mesh, spec))
+  lowered = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)).lower(x)
+  text = lowered.as_text()
+  result = {
+    "process": process_id,
+    "choices": choices,
+    "program": hashlib.sha256(text.encode()).hexdigest(),
+    "per_axis_reduce_scatter": "stablehlo.reduce_scatter" in text,  # what lax_torus runs
+  }
+  print("RESULT " + json.dumps(result))
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main(int(sys.argv[1]), int(sys.argv[2]))
