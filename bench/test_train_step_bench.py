@@ -2,12 +2,16 @@
 
 Training step: the step that resnet/train.py runs (``train.make_train_step``: forward,
 backward, gradient averaging, LARS, moving-statistics averaging) on 8 simulated CPU devices
-as a 2x4 torus, with the global batch split over all of them. Two variants share the model,
-batch, optimizer and devices:
+as a 2x4 torus, with the global batch split over all of them. Three variants share the
+model, batch, optimizer and devices:
   "torus_collectives"  gradients averaged by ``tc.all_reduce_gradients`` and batch norm by
                        ``torus_collectives.nn.BatchNorm`` (what training uses);
+  "weight_update_sharding"  the same with ``weight_update_sharding=True``: gradients
+                       reduce-scattered, LARS on each device's 1/8 of the weights, new
+                       weights all-gathered (``tc.sharded_update``);
   "flax"               the usual approach: ``lax.pmean`` of the gradients and
                        ``flax.linen.BatchNorm(axis_name=...)``.
+Each records its optimizer-state bytes per device (from the state's shards).
 Batch norm statistics span all 8 replicas in both (group size 8), so the two compute the
 same function. The state is not donated here, so every round reuses the same inputs.
 
@@ -20,6 +24,7 @@ is timed alone; in training it shares the cores with the step.
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import pytest
 from jax import lax
 from jax.sharding import NamedSharding
@@ -44,8 +49,8 @@ GROUP = (
 )
 
 
-def _step_and_state(mesh, batch_norm, average_gradients):
-  """The jitted (not donating) training step and a replicated initial state."""
+def _step_and_state(mesh, batch_norm, average_gradients, config: ml_collections.ConfigDict):
+  """The jitted (not donating) training step and its initial state."""
   model = models.create_model(
     CONFIG.model,
     num_classes=NUM_CLASSES,
@@ -63,13 +68,7 @@ def _step_and_state(mesh, batch_norm, average_gradients):
     end_learning_rate=CONFIG.end_learning_rate,
     power=CONFIG.lr_decay_power,
   )
-  tx = optim.lars(
-    schedule,
-    weight_decay=CONFIG.weight_decay,
-    momentum=CONFIG.momentum,
-    trust_coefficient=CONFIG.lars_trust_coefficient,
-    eps=CONFIG.lars_eps,
-  )
+  tx, opt_state_spec = optim.create_optimizer(config, schedule, mesh.axis_names)
 
   @jax.jit
   def init(key):
@@ -79,10 +78,13 @@ def _step_and_state(mesh, batch_norm, average_gradients):
       step=jnp.zeros((), jnp.int32),
       params=variables["params"],
       batch_stats=variables["batch_stats"],
-      opt_state=tx.init(variables["params"]),
+      opt_state=jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=opt_state_spec)(
+        variables["params"]
+      ),
     )
 
-  state = jax.device_put(init(jax.random.key(0, impl="rbg")), NamedSharding(mesh, P()))
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), train.state_specs(opt_state_spec))
+  state = jax.device_put(init(jax.random.key(0, impl="rbg")), shardings)
   step = jax.jit(
     train.make_train_step(
       model,
@@ -92,21 +94,31 @@ def _step_and_state(mesh, batch_norm, average_gradients):
       num_classes=NUM_CLASSES,
       label_smoothing=CONFIG.label_smoothing,
       average_gradients=average_gradients,
+      opt_state_spec=opt_state_spec,
     )
   )
   return step, state
 
 
-@pytest.mark.parametrize("variant", ("flax", "torus_collectives"))
+def _per_device_bytes(tree) -> int:
+  return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("variant", ("flax", "torus_collectives", "weight_update_sharding"))
 def test_train_step(benchmark, steady, variant):
   mesh = tc.make_torus_mesh(MESH_SHAPE)
+  config = CONFIG.copy_and_resolve_references()
+  config.weight_update_sharding = variant == "weight_update_sharding"
   if variant == "flax":
     average_gradients = lax.pmean
+  elif config.weight_update_sharding:
+    average_gradients = None  # tc.sharded_update reduce-scatters them
   else:
     average_gradients = lambda grads, axes: tc.all_reduce_gradients(
       grads, axes, implementation=CONFIG.grad_implementation
     )
-  step, state = _step_and_state(mesh, variant, average_gradients)
+  batch_norm = "flax" if variant == "flax" else "torus_collectives"
+  step, state = _step_and_state(mesh, batch_norm, average_gradients, config)
   key_image, key_label = jax.random.split(jax.random.key(1))
   shape = (CONFIG.global_batch_size, CONFIG.image_size, CONFIG.image_size, 3)
   batch = jax.device_put(
@@ -129,6 +141,8 @@ def test_train_step(benchmark, steady, variant):
     global_batch=CONFIG.global_batch_size,
     bn_group_size=NUM_REPLICAS,
     grad_implementation=CONFIG.grad_implementation if variant != "flax" else "lax.pmean",
+    weight_update_sharding=config.weight_update_sharding,
+    optimizer_state_bytes_per_device=_per_device_bytes(state.opt_state),
     items_per_s=CONFIG.global_batch_size / benchmark.stats.stats.median,
     unit="images/s",
   )

@@ -72,8 +72,10 @@ def local_grads(params, step):
   return jax.tree.unflatten(treedef, [0.5 * p + n for p, n in zip(leaves, noise)])
 
 
-def step_fn(mesh, name: str, *, sharded: bool, implementation: str = "xla"):
-  """One jitted step ``(params, opt_state, step) -> (params, opt_state)`` over ``mesh``."""
+def step_fn(mesh, name: str, *, sharded: bool, implementation: str = "xla", gather="params"):
+  """One jitted step ``(params, opt_state, step) -> (params, opt_state)`` over ``mesh``;
+  sharded, it all-gathers the new parameters (``apply_gradients``) or, with
+  ``gather="updates"``, the updates (``update``)."""
   if sharded:
     tx = tc.sharded_update(transform(name, AXES), AXES, implementation=implementation)
     state_spec = P(AXES)
@@ -82,6 +84,8 @@ def step_fn(mesh, name: str, *, sharded: bool, implementation: str = "xla"):
 
   def body(params, opt_state, step):
     grads = local_grads(params, step)
+    if sharded and gather == "params":
+      return tx.apply_gradients(grads, opt_state, params)
     if not sharded:
       grads = tc.all_reduce_gradients(grads, AXES, implementation=implementation)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -94,9 +98,9 @@ def step_fn(mesh, name: str, *, sharded: bool, implementation: str = "xla"):
   return init, step
 
 
-def run(mesh, name: str, steps: int, *, sharded: bool, implementation: str = "xla"):
+def run(mesh, name: str, steps: int, *, sharded: bool, implementation="xla", gather="params"):
   """Parameters and optimizer state after ``steps`` steps from ``initial_params``."""
-  init, step = step_fn(mesh, name, sharded=sharded, implementation=implementation)
+  init, step = step_fn(mesh, name, sharded=sharded, implementation=implementation, gather=gather)
   params = initial_params(mesh)
   opt_state = init(params)
   for i in range(steps):

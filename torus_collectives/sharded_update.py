@@ -9,14 +9,16 @@ into its two halves and put the optimizer between them:
   1. reduce-scatter the gradients: device d receives the mean of shard d of every leaf;
   2. run the optimizer on that 1/p shard, with the matching shard of the parameters and a
      state that only ever exists as that shard;
-  3. all-gather the updates, so every device again holds the whole (replicated) update.
+  3. add the update to the parameter shard and all-gather the new parameters, so every
+     device again holds all of them (replicated).
 
 The bytes on the wire are those of one all-reduce; the optimizer's FLOPs and its state per
 device shrink p times. ``sharded_update(tx, axis_name)`` wraps any optax transformation
-this way and is itself an ``optax.GradientTransformation``: called inside ``jax.shard_map``
-with per-replica gradients and replicated parameters, it returns replicated updates for
-``optax.apply_updates`` (gathering the updates rather than the new parameters costs the
-same bytes and keeps the optax contract; the final add is one elementwise op per weight).
+this way, called inside ``jax.shard_map`` with per-replica gradients and replicated
+parameters: ``apply_gradients`` is the step above and returns the new parameters;
+``init`` and ``update`` make it an optax gradient transformation too, ``update``
+all-gathering the update instead (same bytes) for ``optax.apply_updates``, whose add then
+runs on every replica over all the weights (one FLOP per weight, all of them).
 
 Layout. Every leaf is flattened, zero-padded to a multiple of p and viewed as ``[p, m]``
 (``m = ceil(size / p)``); row d is device d's shard. Leaves are grouped into flat buckets
@@ -43,9 +45,11 @@ pass ``PartitionSpec(axis_name)`` as its ``shard_map`` spec. Globally a sharded 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -95,13 +99,22 @@ def _check_floating(tree: Any, name: str) -> None:
       )
 
 
+class ShardedUpdate(NamedTuple):
+  """What ``sharded_update`` returns. ``init`` and ``update`` make it an optax gradient
+  transformation; ``apply_gradients`` is the same step returning the new parameters."""
+
+  init: Callable[[Any], Any]
+  update: Callable[..., tuple[Any, Any]]
+  apply_gradients: Callable[[Any, Any, Any], tuple[Any, Any]]
+
+
 def sharded_update(
   tx: optax.GradientTransformation,
   axis_name: AxisName,
   *,
   bucket_bytes: int = DEFAULT_BUCKET_BYTES,
   implementation: Implementation = "auto",
-) -> optax.GradientTransformation:
+) -> ShardedUpdate:
   """``tx`` with its update sharded over the devices of ``axis_name`` (see module doc).
 
   Args:
@@ -113,11 +126,14 @@ def sharded_update(
     implementation: the reduce-scatter and all-gather implementation.
 
   Returns:
-    A transformation whose ``init(params)`` and ``update(grads, state, params)`` run inside
-    ``jax.shard_map`` over ``axis_name``, with per-replica ``grads`` (averaged here: do not
-    all-reduce them first), replicated ``params``, and a state whose every leaf has a
-    leading per-device axis (spec ``PartitionSpec(axis_name)``). ``update`` returns the
-    replicated update for the mean gradient, as ``tx`` would compute it unsharded.
+    ``init(params) -> state``, ``update(grads, state, params) -> (updates, state)`` and
+    ``apply_gradients(grads, state, params) -> (new_params, state)``, all called inside
+    ``jax.shard_map`` over ``axis_name`` with per-replica ``grads`` (averaged here: do not
+    all-reduce them first) and replicated ``params``. Every leaf of the state has a leading
+    per-device axis (spec ``PartitionSpec(axis_name)``). ``update`` all-gathers the update
+    for ``optax.apply_updates``; ``apply_gradients`` adds it to the parameter shards and
+    all-gathers the new parameters, so no device touches more than 1/p of the optimizer's
+    arithmetic. Both equal what ``tx`` computes unsharded on the mean gradient.
   """
   if bucket_bytes <= 0:
     raise ValueError(f"{bucket_bytes=} must be positive")
@@ -139,7 +155,8 @@ def sharded_update(
     *_, param_shards = setup(params)
     return jax.tree.map(lambda x: x[None], tx.init(param_shards))
 
-  def update_fn(grads, state, params=None):
+  def sharded_step(grads, state, params):
+    """Reduce-scatter and the inner update on this device's shards."""
     if params is None:
       raise ValueError("sharded_update needs params: call update(grads, state, params)")
     axes, p, layout, treedef, param_shards = setup(params)
@@ -152,26 +169,37 @@ def sharded_update(
       for i, piece in zip(bucket, layout.split(summed, bucket)):
         # The mean, rounded as all_reduce_gradients rounds it.
         grad_shards[i] = (piece.astype(jnp.float32) * (1.0 / p)).astype(grad_leaves[i].dtype)
-
     update_shards, inner_state = tx.update(
-      jax.tree.unflatten(treedef, grad_shards),
-      jax.tree.map(lambda x: x[0], state),
-      param_shards,
+      jax.tree.unflatten(treedef, grad_shards), jax.tree.map(lambda x: x[0], state), param_shards
     )
+    gather = functools.partial(_all_gather_leaves, axes, p, layout, treedef, implementation)
+    return gather, param_shards, update_shards, jax.tree.map(lambda x: x[None], inner_state)
 
-    shard_leaves = treedef.flatten_up_to(update_shards)
-    updates: list[jax.Array | None] = [None] * len(shard_leaves)
-    for bucket in layout.buckets:
-      flat = jnp.concatenate([shard_leaves[i].astype(grad_leaves[i].dtype) for i in bucket])
-      gathered = all_gather(flat, axes, tiled=True, implementation=implementation)
-      # Identical on every device: type it replicated, as a psum's result would be.
-      columns = layout.split(mark_invariant(gathered, axes).reshape(p, -1), bucket)
-      for i, rows in zip(bucket, columns):
-        n = math.prod(layout.shapes[i])
-        updates[i] = rows.reshape(-1)[:n].reshape(layout.shapes[i])
-    return jax.tree.unflatten(treedef, updates), jax.tree.map(lambda x: x[None], inner_state)
+  def update_fn(grads, state, params=None):
+    gather, _, update_shards, state = sharded_step(grads, state, params)
+    return gather(update_shards), state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  def apply_gradients(grads, state, params):
+    gather, param_shards, update_shards, state = sharded_step(grads, state, params)
+    return gather(optax.apply_updates(param_shards, update_shards)), state
+
+  return ShardedUpdate(init_fn, update_fn, apply_gradients)
+
+
+def _all_gather_leaves(axes, p, layout: _Layout, treedef, implementation, shards):
+  """Shards of every leaf -> whole leaves, one tiled all-gather per bucket."""
+  leaves = treedef.flatten_up_to(shards)
+  out: list[jax.Array | None] = [None] * len(leaves)
+  for bucket in layout.buckets:
+    dtype = jnp.result_type(*(leaves[i] for i in bucket))
+    flat = jnp.concatenate([leaves[i].astype(dtype) for i in bucket])
+    gathered = all_gather(flat, axes, tiled=True, implementation=implementation)
+    # Identical on every device: type it replicated, as a psum's result would be.
+    columns = layout.split(mark_invariant(gathered, axes).reshape(p, -1), bucket)
+    for i, rows in zip(bucket, columns):
+      n = math.prod(layout.shapes[i])
+      out[i] = rows.reshape(-1)[:n].reshape(layout.shapes[i]).astype(leaves[i].dtype)
+  return jax.tree.unflatten(treedef, out)
 
 
 def scale_by_trust_ratio(

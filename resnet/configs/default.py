@@ -58,6 +58,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.label_smoothing = 0.1
   # Gradient summation backend of torus_collectives ('auto', 'xla', 'shard_map', ...).
   c.grad_implementation = 'auto'
+  # Cross-replica weight-update sharding (tc.sharded_update): reduce-scatter the gradients,
+  # run LARS on each device's 1/p of the weights, all-gather the updates. Same bytes on
+  # the wire; optimizer FLOPs and state per device / p.
+  c.weight_update_sharding = False
 
   # Bookkeeping.
   c.seed = 0
