@@ -37,6 +37,12 @@ and update in one vector of 2L floats with one ``lax.psum`` (one small reduction
 not one per layer). Padding is zeros, so it changes neither sums nor norms, and the padded
 updates are dropped when shapes are restored.
 
+Per-replica gradients: under ``shard_map(check_vma=True)``, ``jax.grad`` with respect to
+replicated parameters already sums the gradient over the mesh (the transpose of the
+implicit ``pvary``); the reduce-scatter then averages p identical copies of that sum, as
+``lax.pmean`` and ``all_reduce_gradients`` would. Differentiate with respect to
+``lax.pcast(params, axes, to="varying")`` to reduce each gradient once, here.
+
 State. Every leaf of the returned state carries a leading axis of one entry per device:
 pass ``PartitionSpec(axis_name)`` as its ``shard_map`` spec. Globally a sharded leaf is
 ``[p, m]`` and a scalar (a step count) is ``[p]``; per device it is ``[1, m]`` or ``[1]``.
