@@ -2,17 +2,21 @@
 
 Training step: the step that resnet/train.py runs (``train.make_train_step``: forward,
 backward, gradient averaging, LARS, moving-statistics averaging) on 8 simulated CPU devices
-as a 2x4 torus, with the global batch split over all of them. Two variants share the model,
-batch, optimizer and devices:
+as a 2x4 torus, with the global batch split over all of them. Three variants share the
+model, batch, optimizer and devices:
   "torus_collectives"  gradients averaged by ``tc.all_reduce_gradients`` and batch norm by
                        ``torus_collectives.nn.BatchNorm`` (what training uses);
+  "weight_update_sharding"  the same with ``weight_update_sharding=True``: gradients
+                       reduce-scattered, LARS on each device's 1/8 of the weights, new
+                       weights all-gathered (``tc.sharded_update``);
   "flax"               the usual approach: ``lax.pmean`` of the gradients and
                        ``flax.linen.BatchNorm(axis_name=...)``.
+Each records its optimizer-state bytes per device (from the state's shards).
 Batch norm statistics span all 8 replicas in both (group size 8), so the two compute the
 same function. The state is not donated here, so every round reuses the same inputs. The
-two variants are timed interleaved (``conftest.interleaved``); "auto" reads the tuning
-tables (see ``torus_collectives.tuning``), and the implementation it picked for the
-gradient summation is recorded.
+variants are timed interleaved (``conftest.interleaved``); "auto" reads the tuning tables
+(see ``torus_collectives.tuning``), and the implementation it picked for the gradient
+summation is recorded.
 
 Input pipeline: resnet/input_pipeline.py on the embedded digits, with the default config's
 preprocessing, cache, shuffle buffer and device prefetch; one round pulls one global
@@ -23,6 +27,7 @@ is timed alone; in training it shares the cores with the step.
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -40,7 +45,7 @@ CONFIG.model = "resnet50" if FULL else "resnet18"
 MESH_SHAPE = tuple(CONFIG.mesh_shape)
 NUM_REPLICAS = MESH_SHAPE[0] * MESH_SHAPE[1]
 NUM_CLASSES = 10
-VARIANTS = ("flax", "torus_collectives")  # the baseline first
+VARIANTS = ("flax", "torus_collectives", "weight_update_sharding")  # the baseline first
 GROUP = (
   f"{CONFIG.model} train step, {CONFIG.image_size}x{CONFIG.image_size} "
   f"{CONFIG.dtype}, global batch {CONFIG.global_batch_size}, "
@@ -48,8 +53,8 @@ GROUP = (
 )
 
 
-def _step_and_state(mesh, batch_norm, average_gradients):
-  """The jitted (not donating) training step and a replicated initial state."""
+def _step_and_state(mesh, batch_norm, average_gradients, config: ml_collections.ConfigDict):
+  """The jitted (not donating) training step and its initial state."""
   model = models.create_model(
     CONFIG.model,
     num_classes=NUM_CLASSES,
@@ -67,13 +72,7 @@ def _step_and_state(mesh, batch_norm, average_gradients):
     end_learning_rate=CONFIG.end_learning_rate,
     power=CONFIG.lr_decay_power,
   )
-  tx = optim.lars(
-    schedule,
-    weight_decay=CONFIG.weight_decay,
-    momentum=CONFIG.momentum,
-    trust_coefficient=CONFIG.lars_trust_coefficient,
-    eps=CONFIG.lars_eps,
-  )
+  tx, opt_state_spec = optim.create_optimizer(config, schedule, mesh.axis_names)
 
   @jax.jit
   def init(key):
@@ -83,10 +82,13 @@ def _step_and_state(mesh, batch_norm, average_gradients):
       step=jnp.zeros((), jnp.int32),
       params=variables["params"],
       batch_stats=variables["batch_stats"],
-      opt_state=tx.init(variables["params"]),
+      opt_state=jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=opt_state_spec)(
+        variables["params"]
+      ),
     )
 
-  state = jax.device_put(init(jax.random.key(0, impl="rbg")), NamedSharding(mesh, P()))
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), train.state_specs(opt_state_spec))
+  state = jax.device_put(init(jax.random.key(0, impl="rbg")), shardings)
   step = jax.jit(
     train.make_train_step(
       model,
@@ -96,9 +98,14 @@ def _step_and_state(mesh, batch_norm, average_gradients):
       num_classes=NUM_CLASSES,
       label_smoothing=CONFIG.label_smoothing,
       average_gradients=average_gradients,
+      opt_state_spec=opt_state_spec,
     )
   )
   return step, state
+
+
+def _per_device_bytes(tree) -> int:
+  return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
 
 
 def test_train_step(benchmark, interleaved):
@@ -114,13 +121,18 @@ def test_train_step(benchmark, interleaved):
   )
   calls, states = {}, {}
   for variant in VARIANTS:
+    config = CONFIG.copy_and_resolve_references()
+    config.weight_update_sharding = variant == "weight_update_sharding"
     if variant == "flax":
       average_gradients = lax.pmean
+    elif config.weight_update_sharding:
+      average_gradients = None  # tc.sharded_update reduce-scatters them
     else:
       average_gradients = lambda grads, axes: tc.all_reduce_gradients(
         grads, axes, implementation=CONFIG.grad_implementation
       )
-    step, states[variant] = _step_and_state(mesh, variant, average_gradients)
+    batch_norm = "flax" if variant == "flax" else "torus_collectives"
+    step, states[variant] = _step_and_state(mesh, batch_norm, average_gradients, config)
     calls[variant] = lambda step=step, state=states[variant]: step(state, batch)
 
   benchmark.group = GROUP
@@ -130,7 +142,9 @@ def test_train_step(benchmark, interleaved):
     _, metrics = calls[variant]()
     assert jnp.isfinite(metrics["train_loss"])
     benchmark.extra_info["variants"][variant].update(
-      items_per_s=CONFIG.global_batch_size / runs.median(variant), unit="images/s"
+      items_per_s=CONFIG.global_batch_size / runs.median(variant),
+      unit="images/s",
+      optimizer_state_bytes_per_device=_per_device_bytes(states[variant].opt_state),
     )
   gradients = tune.gradients_case(mesh, states["torus_collectives"].params)
   benchmark.extra_info["variants"]["torus_collectives"]["grad_implementation"] = (

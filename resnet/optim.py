@@ -5,10 +5,18 @@ the rate for a batch of 256. Layer-wise trust ratios and weight decay apply to
 convolution and dense kernels only; batch-norm scales and offsets and the dense bias use
 plain momentum SGD (You et al. 2017; the MLPerf reference excludes them the same way,
 since their norms say nothing about a layer's scale).
+
+With ``weight_update_sharding`` the optimizer runs inside ``tc.sharded_update``: gradients
+are reduce-scattered, LARS updates each device's 1/p shard of every layer (its trust ratio
+summing the layer norms over the shards), and the updates are all-gathered.
 """
 
 import jax
+import ml_collections
 import optax
+from jax.sharding import PartitionSpec as P
+
+import torus_collectives as tc
 
 
 def learning_rate_schedule(
@@ -47,8 +55,10 @@ def lars(
   momentum: float,
   trust_coefficient: float,
   eps: float,
+  axis_name: tuple[str, ...] | None = None,
 ) -> optax.GradientTransformation:
-  return optax.lars(
+  """LARS; ``axis_name`` when it runs on shards inside ``tc.sharded_update`` over it."""
+  return tc.lars(
     schedule,
     weight_decay=weight_decay,
     weight_decay_mask=kernel_mask,
@@ -56,4 +66,24 @@ def lars(
     eps=eps,
     trust_ratio_mask=kernel_mask,
     momentum=momentum,
+    axis_name=axis_name,
   )
+
+
+def create_optimizer(
+  config: ml_collections.ConfigDict, schedule: optax.Schedule, axes: tuple[str, ...]
+) -> tuple[optax.GradientTransformation, P]:
+  """The config's LARS and the ``shard_map`` spec of its state over the mesh ``axes``:
+  replicated, or, with ``config.weight_update_sharding``, split over every device."""
+  sharded = config.weight_update_sharding
+  tx = lars(
+    schedule,
+    weight_decay=config.weight_decay,
+    momentum=config.momentum,
+    trust_coefficient=config.lars_trust_coefficient,
+    eps=config.lars_eps,
+    axis_name=axes if sharded else None,
+  )
+  if not sharded:
+    return tx, P()
+  return tc.sharded_update(tx, axes, implementation=config.grad_implementation), P(axes)

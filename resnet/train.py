@@ -6,6 +6,9 @@ global batch. One step is ``jax.jit`` of a ``jax.shard_map`` body that:
   2. sums gradients over the whole torus with ``tc.all_reduce_gradients`` (2-D torus
      reduce-scatter / all-gather where the platform has it, lax elsewhere),
   3. applies LARS, and averages the moving BN statistics so the state stays replicated.
+With ``weight_update_sharding``, steps 2-3 become ``tc.sharded_update``: reduce-scatter,
+LARS on each device's 1/p of the weights (its state stored split over the devices),
+all-gather of the new weights.
 
 Around it: orbax checkpoints every N steps and on SIGTERM/SIGINT with automatic resume,
 a stop with the last good checkpoint kept when the loss or gradient turns non-finite,
@@ -43,6 +46,11 @@ class TrainState:
   params: Any
   batch_stats: Any
   opt_state: Any
+
+
+def state_specs(opt_state_spec: P) -> TrainState:
+  """``shard_map`` specs of the state: replicated, but for a sharded optimizer state."""
+  return TrainState(step=P(), params=P(), batch_stats=P(), opt_state=opt_state_spec)
 
 
 def torus_shape(num_devices: int) -> tuple[int, int]:
@@ -91,18 +99,26 @@ def _train_step(
     return loss, (logits, updates['batch_stats'])
 
   (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-  grads = average_gradients(grads, axes)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  if average_gradients is None:  # weight-update sharding: tx reduce-scatters them itself
+    params, opt_state = tx.apply_gradients(grads, state.opt_state, state.params)
+    # The mean gradient exists only as shards: log the replicas' RMS gradient norm, an
+    # upper bound of the mean's norm that is just as non-finite when it is.
+    grad_norm = jnp.sqrt(lax.pmean(optax.tree.norm(grads) ** 2, axes))
+  else:
+    grads = average_gradients(grads, axes)
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
   new_state = TrainState(
     step=state.step + 1,
-    params=optax.apply_updates(state.params, updates),
+    params=params,
     batch_stats=lax.pmean(batch_stats, axes),
     opt_state=opt_state,
   )
   metrics = {
     'train_loss': lax.pmean(loss, axes),
     'train_accuracy': lax.pmean(jnp.mean(jnp.argmax(logits, -1) == batch['label']), axes),
-    'grad_norm': optax.tree.norm(grads),
+    'grad_norm': grad_norm,
     'learning_rate': schedule(state.step),
   }
   return new_state, metrics
@@ -116,13 +132,16 @@ def make_train_step(
   *,
   num_classes: int,
   label_smoothing: float,
-  average_gradients: Callable[[Any, tuple[str, ...]], Any],
+  average_gradients: Callable[[Any, tuple[str, ...]], Any] | None,
+  opt_state_spec: P | None = None,
 ) -> Callable:
   """One data-parallel step ``(state, batch) -> (state, metrics)`` over every mesh axis.
 
   The state is replicated and the batch split over all devices. ``average_gradients(grads,
   axes)`` averages the per-device gradients over the mesh (``tc.all_reduce_gradients`` in
-  training; a benchmark may pass ``lax.pmean``). The result is not jitted, so the caller
+  training; a benchmark may pass ``lax.pmean``); ``None`` when ``tx`` is a
+  ``tc.sharded_update``, which averages them itself and keeps its state split as
+  ``opt_state_spec`` says (default: replicated). The result is not jitted, so the caller
   chooses whether to donate the state.
   """
   body = functools.partial(
@@ -135,7 +154,8 @@ def make_train_step(
     label_smoothing=label_smoothing,
     average_gradients=average_gradients,
   )
-  return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(mesh.axis_names)), out_specs=(P(), P()))
+  spec = state_specs(P() if opt_state_spec is None else opt_state_spec)
+  return jax.shard_map(body, mesh=mesh, in_specs=(spec, P(mesh.axis_names)), out_specs=(spec, P()))
 
 
 def _eval_step(state: TrainState, batch, *, model, axes):
@@ -186,7 +206,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   mesh = tc.make_torus_mesh(tuple(config.mesh_shape) or torus_shape(num_devices))
   axes = mesh.axis_names
   data_sharding = NamedSharding(mesh, P(axes))
-  replicated = NamedSharding(mesh, P())
   local_batch = config.global_batch_size // num_processes
   local_eval_batch = config.eval_batch_size // num_processes
 
@@ -227,15 +246,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     end_learning_rate=config.end_learning_rate,
     power=config.lr_decay_power,
   )
-  tx = optim.lars(
-    schedule,
-    weight_decay=config.weight_decay,
-    momentum=config.momentum,
-    trust_coefficient=config.lars_trust_coefficient,
-    eps=config.lars_eps,
-  )
+  tx, opt_state_spec = optim.create_optimizer(config, schedule, axes)
+  state_spec = state_specs(opt_state_spec)
+  state_sharding = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_spec)
 
-  # Initialised on one device and then replicated: partitioning the random initialisers
+  # Initialised on one device and then replicated (a sharded optimizer state is made by
+  # its shard_map from the replicated parameters): partitioning the random initialisers
   # over every device only costs compile time.
   @jax.jit
   def init(key):
@@ -245,7 +261,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       step=jnp.zeros((), jnp.int32),
       params=variables['params'],
       batch_stats=variables['batch_stats'],
-      opt_state=tx.init(variables['params']),
+      opt_state=jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=opt_state_spec)(
+        variables['params']
+      ),
     )
 
   train_step = jax.jit(
@@ -256,9 +274,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       mesh,
       num_classes=train_split.num_classes,
       label_smoothing=config.label_smoothing,
-      average_gradients=functools.partial(
-        tc.all_reduce_gradients, implementation=config.grad_implementation
-      ),
+      average_gradients=None
+      if config.weight_update_sharding
+      else functools.partial(tc.all_reduce_gradients, implementation=config.grad_implementation),
+      opt_state_spec=opt_state_spec,
     ),
     donate_argnums=0,
   )
@@ -266,7 +285,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     jax.shard_map(
       functools.partial(_eval_step, model=model, axes=axes),
       mesh=mesh,
-      in_specs=(P(), P(axes)),
+      in_specs=(state_spec, P(axes)),
       out_specs=P(),
     )
   )
@@ -277,10 +296,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # rbg: XLA's RngBitGenerator compiles far faster than threefry for large inits.
   key = jax.random.key(config.seed, impl='rbg')
   if checkpoints.latest_step() is None:
-    state = jax.device_put(init(key), replicated)
+    state = jax.device_put(init(key), state_sharding)
   else:  # shapes only: nothing is initialised just to be overwritten
     abstract = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+      lambda sharding, part: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), part
+      ),
+      state_sharding,
       jax.eval_shape(init, key),
     )
     state = checkpoints.restore(checkpoints.latest_step(), args=ocp.args.StandardRestore(abstract))

@@ -1,4 +1,5 @@
-"""LARS leaves batch-norm parameters and biases alone: no trust ratio, no weight decay."""
+"""LARS leaves batch-norm parameters and biases alone: no trust ratio, no weight decay; with
+weight-update sharding it gives the same weights."""
 
 import functools
 
@@ -6,8 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from resnet import models, optim
+import torus_collectives as tc
+from resnet import models, optim, train
+from resnet.configs import default, imagenet, pod
 
 LR, TRUST, WD = 0.5, 0.01, 1e-2
 
@@ -60,3 +66,64 @@ def test_schedule_warms_up_linearly_then_decays_to_the_end_rate():
   np.testing.assert_allclose([schedule(0), schedule(5), schedule(10)], [0.0, 2.0, 4.0])
   np.testing.assert_allclose(schedule(20), 0.01 + (4.0 - 0.01) * 0.25, rtol=1e-6)
   np.testing.assert_allclose(schedule(30), 0.01, rtol=1e-6)
+
+
+def test_weight_update_sharding_is_on_at_scale_and_off_for_digits():
+  assert not default.get_config().weight_update_sharding
+  assert imagenet.get_config().weight_update_sharding
+  assert pod.get_config().weight_update_sharding
+
+
+@pytest.mark.slow
+def test_weight_update_sharding_matches_replicated_lars_in_the_train_step():
+  """Two train steps of a tiny ResNet: sharded LARS state, same weights as replicated LARS
+  (within float32 rounding: the sharded trust ratio sums its norms in another order)."""
+  mesh = tc.make_torus_mesh((2, 4))
+  axes = mesh.axis_names
+  model = models.create_model(
+    'resnet_tiny', num_classes=10, dtype=jnp.float32, axis_name=axes, bn_group_size=8
+  )
+  schedule = optax.constant_schedule(0.5)
+  rng = np.random.default_rng(0)
+  batch = jax.device_put(
+    {
+      'image': jnp.asarray(rng.standard_normal((16, 16, 16, 3)), jnp.float32),
+      'label': jnp.asarray(rng.integers(0, 10, 16), jnp.int32),
+    },
+    NamedSharding(mesh, P(axes)),
+  )
+  variables = model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)), train=False)
+  results = {}
+  for sharded in (False, True):
+    config = default.get_config()
+    config.weight_update_sharding = sharded
+    tx, spec = optim.create_optimizer(config, schedule, axes)
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=spec))
+    state = train.TrainState(
+      step=jnp.zeros((), jnp.int32),
+      params=variables['params'],
+      batch_stats=variables['batch_stats'],
+      opt_state=init(variables['params']),
+    )
+    average = None if sharded else tc.all_reduce_gradients
+    step = jax.jit(
+      train.make_train_step(
+        model,
+        tx,
+        schedule,
+        mesh,
+        num_classes=10,
+        label_smoothing=0.1,
+        average_gradients=average,
+        opt_state_spec=spec,
+      )
+    )
+    for _ in range(2):
+      state, _ = step(state, batch)
+    results[sharded] = state
+  for leaf in jax.tree.leaves(results[True].opt_state):
+    assert leaf.sharding.spec == P(axes)
+  for ours, ref in zip(
+    jax.tree.leaves(results[True].params), jax.tree.leaves(results[False].params)
+  ):
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-6)

@@ -21,6 +21,7 @@ from torus_collectives.configs import BlockSizes, KernelConfig
 from torus_collectives.gradients import all_reduce_gradients
 from torus_collectives.groups import group_sum, resolve_tile
 from torus_collectives.registry import IMPLEMENTATIONS, Implementation, auto_implementation
+from torus_collectives.sharded_update import lars, scale_by_trust_ratio, sharded_update
 from torus_collectives.topology import make_torus_mesh
 
 __all__ = [
@@ -34,11 +35,14 @@ __all__ = [
   "auto_implementation",
   "batch_norm",
   "group_sum",
+  "lars",
   "make_torus_mesh",
   "pmean",
   "psum",
   "psum_scatter",
   "reduce_scatter",
   "resolve_tile",
+  "scale_by_trust_ratio",
   "schedule",
+  "sharded_update",
 ]

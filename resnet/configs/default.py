@@ -61,6 +61,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Time the gradient summation and batch norms of this model on this mesh before training
   # (resnet/tuning.py), so that 'auto' runs what is measured fastest here.
   c.tune = False
+  # Cross-replica weight-update sharding (tc.sharded_update): reduce-scatter the gradients,
+  # run LARS on each device's 1/p of the weights, all-gather the updates. Same bytes on
+  # the wire; optimizer FLOPs and state per device / p.
+  c.weight_update_sharding = False
 
   # Bookkeeping.
   c.seed = 0

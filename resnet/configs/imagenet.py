@@ -46,6 +46,7 @@ def get_config(global_batch: int = 4096):
   c.num_epochs = 90.0
   c.base_learning_rate, c.warmup_epochs = lars_hyperparameters(global_batch)
   c.weight_decay = 1e-4
+  c.weight_update_sharding = True
   c.log_every_steps = 100
   c.eval_every_epochs = 4.0
   c.checkpoint_every_steps = 1000
