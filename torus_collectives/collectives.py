@@ -28,14 +28,17 @@ from torus_collectives.configs import KernelConfig
 from torus_collectives.registry import Implementation
 
 AxisName = Hashable | tuple[Hashable, ...]
+# A torus has at most three dimensions on every TPU generation (v4 and v5p are 3-D).
+MAX_TORUS_AXES = 3
 
 
 def _bound_axes(axis_name: AxisName) -> tuple[tuple[str, ...], tuple[int, ...]]:
   """The named axes as a tuple and their sizes, checked against the enclosing mesh."""
   axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  if not 1 <= len(axes) <= 2:
+  if not 1 <= len(axes) <= MAX_TORUS_AXES:
     raise ValueError(
-      f"{axis_name=}: give one mesh axis or a tuple of two (the torus), not {len(axes)}"
+      f"{axis_name=}: give one mesh axis or a tuple of up to {MAX_TORUS_AXES} (the torus), "
+      f"not {len(axes)}"
     )
   if len(set(axes)) != len(axes):
     raise ValueError(f"{axis_name=} names an axis twice")
