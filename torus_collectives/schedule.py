@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -103,7 +104,7 @@ class Transfer:
   def slab_elements(self, torus: Sequence[int], chunk_elements: int) -> int:
     """Elements moved by one device in this transfer (chunk_elements per grid chunk)."""
     others = [torus[a] for a in self.live_axes if a != self.phase.axis]
-    return int(np.prod(others, dtype=np.int64)) * chunk_elements
+    return math.prod(others) * chunk_elements
 
 
 @dataclasses.dataclass(frozen=True)
