@@ -69,9 +69,9 @@ def _target() -> tuple[tuple[str, ...], str]:
 
 
 def _check(x: jax.Array, axes: Sequence[str], torus: Sequence[int]) -> None:
-  if x.ndim != 1 or len(axes) != len(torus) or len(axes) not in (1, 2):
+  if x.ndim != 1 or len(axes) != len(torus) or not 1 <= len(axes) <= 3:
     raise ValueError(
-      f"expected a 1-D buffer and 1 or 2 torus axes, got {x.shape=}, {axes=}, {torus=}"
+      f"expected a 1-D buffer and 1 to 3 torus axes, got {x.shape=}, {axes=}, {torus=}"
     )
 
 
