@@ -47,7 +47,7 @@ def lower_all_reduce(
 ):
   """``tc.all_reduce`` over ``axes`` of a per-device ``[elements]`` buffer, lowered for
   ``mesh`` (every device holds its own buffer; the reduction spans ``axes`` only)."""
-  spec = P(AXES)
+  spec = P(mesh.axis_names)
 
   def per_device(v):
     return tc.all_reduce(v, axes, implementation=implementation)
