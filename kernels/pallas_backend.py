@@ -7,9 +7,10 @@ Called inside the caller's ``shard_map`` with ``axes`` bound, on a 1-D per-devic
 * ``all_reduce(x, axes, torus)``: ``[n] -> [n]`` == ``lax.psum(x, axes)``
 
 All three follow ``schedule.default_variant(torus)``: a bidirectional ring on one axis, the
-paper's split 2-D torus on two. The all-reduce is that reduce-scatter followed by that
-all-gather, which is exactly the all-reduce schedule (its streams are the reduce-scatter
-phases followed by the all-gather phases, in lockstep).
+split torus on two or three (the paper's split 2-D torus, and its 3-D form with six
+streams). The all-reduce is that reduce-scatter followed by that all-gather, which is
+exactly the all-reduce schedule (its streams are the reduce-scatter phases followed by the
+all-gather phases, in lockstep).
 
 Layout and padding: chunk ``c`` (``m`` elements) is zero-padded to ``S * R * 128`` elements
 and viewed as ``S`` stream slices of ``R`` rows of 128 lanes, ``R`` a multiple of the VMEM

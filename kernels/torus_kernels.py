@@ -5,15 +5,17 @@ Each device holds a buffer of shape ``(*torus, S, R, 128)``: the schedule's grid
 lanes. Every transfer of the schedule moves one slab (the chunks of the grid that are still
 live, at one index along the phase's axis, in one stream) to the ring neighbour:
 
-* reduce-scatter: the slab goes HBM -> neighbour's HBM receive slot by remote DMA; the
-  receiver then adds it to its own partial sums, streaming both through VMEM in blocks of
-  ``block_rows`` x 128. The work buffer is the (aliased) input, so the own chunk ends up
-  fully reduced in place.
+* reduce-scatter: the slab goes HBM -> neighbour's HBM receive slot by remote DMA (one
+  slot array per stream, shaped like its first slab: on a 3-D torus that slab spans two
+  grid axes, and a DMA needs the same shape on both sides); the receiver then adds it to
+  its own partial sums, streaming both through VMEM in blocks of ``block_rows`` x 128. The
+  work buffer is the (aliased) input, so the own chunk ends up fully reduced in place.
 * all-gather: the slab goes straight from the sender's output buffer into the same place in
   the receiver's output buffer; every place is written exactly once, so no staging is needed.
 
 The streams of a step run concurrently: all their DMAs are started before any is waited on,
-so on the 2-D split schedule the +x, -x, +y and -y links of a chip carry traffic together.
+so on the 2-D split schedule the +x, -x, +y and -y links of a chip carry traffic together
+(and all six links on the 3-D one).
 
 Synchronisation:
 
