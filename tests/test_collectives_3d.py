@@ -144,6 +144,31 @@ def test_group_sums_over_3d_tiles(tile):
     np.testing.assert_array_equal(np.asarray(got).reshape(2, 2, 2, 4)[c], want)
 
 
+@pytest.mark.parametrize(
+  "group_size,tile", [(4, (1, 2, 2)), ((2, 1, 2), (2, 1, 2)), (8, (2, 2, 2))]
+)
+def test_batch_norm_over_3d_tiles(group_size, tile):
+  """Group statistics over a 3-D tile equal those of the tile's gathered batch."""
+  mesh, axes = mesh_of("2x2x2"), ("x", "y", "z")
+  x = np.random.default_rng(6).standard_normal((8, 3, 2, 4)).astype(np.float32)
+  ones, zeros = jnp.ones(4), jnp.zeros(4)
+  y, mean = per_device(
+    lambda v: tc.batch_norm(
+      v, ones, zeros, axis_name=axes, group_size=group_size, implementation="xla"
+    )[:2],
+    mesh,
+    x,
+  )
+  grid = x.reshape(2, 2, 2, 6, 4).astype(np.float64)
+  for c in np.ndindex(2, 2, 2):
+    box = tuple(slice(i // t * t, i // t * t + t) for i, t in zip(c, tile))
+    rows = grid[box].reshape(-1, 4)
+    want = (grid[c] - rows.mean(0)) / np.sqrt(rows.var(0) + 1e-5)
+    d = np.ravel_multi_index(c, (2, 2, 2))
+    np.testing.assert_allclose(np.asarray(mean[d]), rows.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(y[d]).reshape(6, 4), want, rtol=1e-5, atol=1e-5)
+
+
 def test_group_sizes_name_3d_tiles_filled_along_the_last_axis():
   tiles = [tc.resolve_tile(g, (2, 2, 4)) for g in (2, 4, 8, 16)]
   assert tiles == [(1, 1, 2), (1, 1, 4), (1, 2, 4), (2, 2, 4)]
