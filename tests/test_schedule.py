@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from torus_collectives import schedule as S
@@ -81,6 +81,9 @@ def test_ring_variants_are_exact(p, seed, variant, collective):
   variant=st.sampled_from(TORUS),
   collective=st.sampled_from(["all_reduce", "reduce_scatter", "all_gather"]),
 )
+@example(torus=(4, 4, 4), seed=0, variant=S.Variant.TORUS_SPLIT, collective="all_reduce")
+@example(torus=(1, 2, 4), seed=1, variant=S.Variant.TORUS_SPLIT, collective="reduce_scatter")
+@example(torus=(4, 1, 2), seed=2, variant=S.Variant.TORUS, collective="all_gather")
 def test_three_d_variants_are_exact(torus, seed, variant, collective):
   sched = _check(collective, torus, variant, seed)
   rings = 2 if collective == "all_reduce" else 1
