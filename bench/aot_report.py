@@ -8,6 +8,7 @@ measurements: nothing here runs on a TPU.
 
     JAX_PLATFORMS=cpu python -m bench.aot_report                       # v5e:16x16, ResNet-50
     JAX_PLATFORMS=cpu python -m bench.aot_report --topology=v6e:4x4 --elements=1000000
+    JAX_PLATFORMS=cpu python -m bench.aot_report --topology=v5p:4x4x4 --mesh=4x4x4  # 3-D torus
 
 Never pass a v2/v3 topology with ``implementation="pallas"``: libtpu aborts the process
 when compiling a Pallas remote DMA for those generations (the kernels refuse them first).
@@ -32,11 +33,14 @@ RESNET50_PARAMETERS = 25_557_032
 AXES = ("x", "y")
 
 
-def topology_mesh(topology_name: str) -> Mesh:
-  """A 2-D ("x", "y") mesh over a TPU topology's devices, as square as their count allows."""
+def topology_mesh(topology_name: str, shape: tuple[int, ...] | None = None) -> Mesh:
+  """A 2-D ("x", "y") mesh over a TPU topology's devices, as square as their count allows,
+  or a ``tc.make_torus_mesh`` of ``shape`` (axes "x", "y", "z") placed by chip coordinates."""
   devices = np.array(
     topologies.get_topology_desc(platform="tpu", topology_name=topology_name).devices
   )
+  if shape is not None:
+    return tc.make_torus_mesh(shape, ("x", "y", "z")[: len(shape)], devices=list(devices))
   # Plain device order: v4 exposes two devices per chip, which mesh_utils refuses to lay out.
   shape = most_square_shape(devices.size)
   return Mesh(devices.reshape(shape), AXES, axis_types=(AxisType.Auto,) * 2)
@@ -47,7 +51,7 @@ def lower_all_reduce(
 ):
   """``tc.all_reduce`` over ``axes`` of a per-device ``[elements]`` buffer, lowered for
   ``mesh`` (every device holds its own buffer; the reduction spans ``axes`` only)."""
-  spec = P(AXES)
+  spec = P(mesh.axis_names)
 
   def per_device(v):
     return tc.all_reduce(v, axes, implementation=implementation)
@@ -84,15 +88,20 @@ def main(argv=None) -> None:
     help="gradient elements per device (default: ResNet-50)",
   )
   parser.add_argument("--dtypes", default="float32,bfloat16")
+  parser.add_argument(
+    "--mesh", default=None, help="mesh shape such as 4x4x4 (default: 2-D, as square as can be)"
+  )
   args = parser.parse_args(argv)
-  mesh = topology_mesh(args.topology)
+  shape = tuple(int(n) for n in args.mesh.split("x")) if args.mesh else None
+  mesh = topology_mesh(args.topology, shape)
+  axes = tuple(mesh.axis_names)
   print(
     f"{args.topology}: mesh {dict(mesh.shape)}, all-reduce of {args.elements:,} elements "
     "per device (XLA compiler estimates, not measurements)"
   )
   for dtype in args.dtypes.split(","):
     rows = {
-      impl: summary(lower_all_reduce(mesh, args.elements, dtype, impl).compile())
+      impl: summary(lower_all_reduce(mesh, args.elements, dtype, impl, axes).compile())
       for impl in ("pallas", "xla")
     }
     print(f"\n{dtype}  ({args.elements * jnp.dtype(dtype).itemsize / 2**20:.1f} MiB)")

@@ -7,9 +7,10 @@ Called inside the caller's ``shard_map`` with ``axes`` bound, on a 1-D per-devic
 * ``all_reduce(x, axes, torus)``: ``[n] -> [n]`` == ``lax.psum(x, axes)``
 
 All three follow ``schedule.default_variant(torus)``: a bidirectional ring on one axis, the
-paper's split 2-D torus on two. The all-reduce is that reduce-scatter followed by that
-all-gather, which is exactly the all-reduce schedule (its streams are the reduce-scatter
-phases followed by the all-gather phases, in lockstep).
+split torus on two or three (the paper's split 2-D torus, and its 3-D form with six
+streams). The all-reduce is that reduce-scatter followed by that all-gather, which is
+exactly the all-reduce schedule (its streams are the reduce-scatter phases followed by the
+all-gather phases, in lockstep).
 
 Layout and padding: chunk ``c`` (``m`` elements) is zero-padded to ``S * R * 128`` elements
 and viewed as ``S`` stream slices of ``R`` rows of 128 lanes, ``R`` a multiple of the VMEM
@@ -69,9 +70,9 @@ def _target() -> tuple[tuple[str, ...], str]:
 
 
 def _check(x: jax.Array, axes: Sequence[str], torus: Sequence[int]) -> None:
-  if x.ndim != 1 or len(axes) != len(torus) or len(axes) not in (1, 2):
+  if x.ndim != 1 or len(axes) != len(torus) or not 1 <= len(axes) <= 3:
     raise ValueError(
-      f"expected a 1-D buffer and 1 or 2 torus axes, got {x.shape=}, {axes=}, {torus=}"
+      f"expected a 1-D buffer and 1 to 3 torus axes, got {x.shape=}, {axes=}, {torus=}"
     )
 
 

@@ -5,15 +5,17 @@ Each device holds a buffer of shape ``(*torus, S, R, 128)``: the schedule's grid
 lanes. Every transfer of the schedule moves one slab (the chunks of the grid that are still
 live, at one index along the phase's axis, in one stream) to the ring neighbour:
 
-* reduce-scatter: the slab goes HBM -> neighbour's HBM receive slot by remote DMA; the
-  receiver then adds it to its own partial sums, streaming both through VMEM in blocks of
-  ``block_rows`` x 128. The work buffer is the (aliased) input, so the own chunk ends up
-  fully reduced in place.
+* reduce-scatter: the slab goes HBM -> neighbour's HBM receive slot by remote DMA (one
+  slot array per stream, shaped like its first slab: on a 3-D torus that slab spans two
+  grid axes, and a DMA needs the same shape on both sides); the receiver then adds it to
+  its own partial sums, streaming both through VMEM in blocks of ``block_rows`` x 128. The
+  work buffer is the (aliased) input, so the own chunk ends up fully reduced in place.
 * all-gather: the slab goes straight from the sender's output buffer into the same place in
   the receiver's output buffer; every place is written exactly once, so no staging is needed.
 
 The streams of a step run concurrently: all their DMAs are started before any is waited on,
-so on the 2-D split schedule the +x, -x, +y and -y links of a chip carry traffic together.
+so on the 2-D split schedule the +x, -x, +y and -y links of a chip carry traffic together
+(and all six links on the 3-D one).
 
 Synchronisation:
 
@@ -44,6 +46,7 @@ the kernels are verified in TPU interpret mode and compile for v4, v5e, v5p and 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -130,29 +133,33 @@ def _phase_index(schedule: schedule_lib.Schedule) -> list[list[int]]:
 
 
 def _accumulate(dst, src, own_bufs, in_bufs, sems) -> None:
-  """``dst += src`` for two ``(chunks, R, 128)`` HBM views, block by block through VMEM.
+  """``dst += src`` for two ``(*chunks, R, 128)`` HBM views, block by block through VMEM.
 
+  ``chunks`` is one grid dimension or more (a slab of a 3-D torus can span two).
   Double-buffered: block ``i + 1`` loads while block ``i`` is added and stored back.
   ``sems[0|1|2, slot]`` track the own load, the received load and the store of a slot.
   """
-  chunks, rows, _ = dst.shape
+  *chunks, rows, _ = dst.shape
   block = own_bufs.shape[1]
   per_chunk = rows // block
-  total = chunks * per_chunk
+  total = math.prod(chunks) * per_chunk
 
   def place(i):
-    return i // per_chunk, pl.ds(pl.multiple_of((i % per_chunk) * block, block), block)
+    index, rest = [], i // per_chunk
+    for size in reversed(chunks):  # row-major over the chunk dimensions
+      index.insert(0, rest % size)
+      rest = rest // size
+    return *index, pl.ds(pl.multiple_of((i % per_chunk) * block, block), block)
 
   def loads(i, slot):
-    chunk, rows_ = place(i)
+    where = place(i)
     return (
-      pltpu.make_async_copy(dst.at[chunk, rows_], own_bufs.at[slot], sems.at[0, slot]),
-      pltpu.make_async_copy(src.at[chunk, rows_], in_bufs.at[slot], sems.at[1, slot]),
+      pltpu.make_async_copy(dst.at[where], own_bufs.at[slot], sems.at[0, slot]),
+      pltpu.make_async_copy(src.at[where], in_bufs.at[slot], sems.at[1, slot]),
     )
 
   def store(i, slot):
-    chunk, rows_ = place(i)
-    return pltpu.make_async_copy(own_bufs.at[slot], dst.at[chunk, rows_], sems.at[2, slot])
+    return pltpu.make_async_copy(own_bufs.at[slot], dst.at[place(i)], sems.at[2, slot])
 
   for copy in loads(0, 0):
     copy.start()
@@ -181,21 +188,36 @@ def _accumulate(dst, src, own_bufs, in_bufs, sems) -> None:
   store(total - 1, (total - 1) % 2).wait()
 
 
-def _reduce_scatter_kernel(
-  schedule,
-  topo_args,
-  coords_ref,
-  x_ref,
-  acc_ref,
-  recv_ref,
-  send_sems,
-  recv_sems,
-  capacity,
-  buf_own,
-  buf_in,
-  local_sems,
-):
+def _recv_axes(schedule: schedule_lib.Schedule, stream: int) -> tuple[int, ...]:
+  """Grid axes a stream's receive slot spans: those of its first (largest) slab."""
+  first = schedule.stream_transfers(stream)[0]
+  return tuple(a for a in first.live_axes if a != first.phase.axis)
+
+
+def _recv_shape(schedule: schedule_lib.Schedule, stream: int) -> tuple[int, ...]:
+  return tuple(schedule.torus[a] for a in _recv_axes(schedule, stream)) or (1,)
+
+
+def _recv_view(recv_ref, slot: int, transfer: schedule_lib.Transfer, schedule):
+  """A stream's receive slot ``slot`` viewed with the shape of ``transfer``'s slab.
+
+  The slot spans the stream's first slab; every later slab of a reduce-scatter spans a
+  subset of its axes (a single chunk, at the least), so it is the slot's corner along them.
+  """
+  carried = [a for a in transfer.live_axes if a != transfer.phase.axis]
+  recv_axes = _recv_axes(schedule, transfer.stream)
+  if carried:
+    index = [pl.ds(0, schedule.torus[a]) if a in carried else 0 for a in recv_axes]
+  else:  # a single chunk, with a leading dimension of 1 as in ``slab_view``
+    index = [pl.ds(0, 1)] + [0] * (len(recv_axes) - 1)
+  return recv_ref.at[(slot, *index)]
+
+
+def _reduce_scatter_kernel(schedule, topo_args, coords_ref, x_ref, acc_ref, *refs):
   del x_ref  # aliased with acc_ref: the reduction works in place
+  streams = schedule.num_streams
+  recv_refs = refs[:streams]  # one per stream: (slots, *its first slab's chunks, R, 128)
+  send_sems, recv_sems, capacity, buf_own, buf_in, local_sems = refs[streams:]
   topo = _Topology(*topo_args, coords_ref)
   steps = schedule.steps()
   phase_of = _phase_index(schedule)
@@ -211,7 +233,7 @@ def _reduce_scatter_kernel(
           pl.semaphore_wait(capacity.at[tr.stream, phase_of[tr.stream][t], slot], 1)
         copy = pltpu.make_async_remote_copy(
           src,
-          recv_ref.at[tr.stream, slot, pl.ds(0, src.shape[0])],
+          _recv_view(recv_refs[tr.stream], slot, tr, schedule),
           send_sems.at[tr.stream, t],
           recv_sems.at[tr.stream, t],
           device_id=topo.neighbour(tr.phase.axis, tr.phase.direction),
@@ -284,10 +306,6 @@ def _schedule_cost(
   )
 
 
-def _max_slab_chunks(schedule: schedule_lib.Schedule) -> int:
-  return max(t.slab_elements(schedule.torus, 1) for step in schedule.steps() for t in step)
-
-
 def reduce_scatter_call(
   x: jax.Array,
   schedule: schedule_lib.Schedule,
@@ -310,7 +328,7 @@ def reduce_scatter_call(
   grid_spec = pltpu.PrefetchScalarGridSpec(
     num_scalar_prefetch=1,
     in_specs=[any_spec],
-    out_specs=(any_spec, any_spec),
+    out_specs=(any_spec,) * (1 + streams),
     scratch_shapes=[
       pltpu.SemaphoreType.DMA((streams, steps)),
       pltpu.SemaphoreType.DMA((streams, steps)),
@@ -320,13 +338,12 @@ def reduce_scatter_call(
       pltpu.SemaphoreType.DMA((3, 2)),
     ],
   )
-  acc, _ = pl.pallas_call(
+  # Receive slots live in HBM; an output is how a kernel gets an HBM buffer. One per
+  # stream, shaped like its largest slab (on a 3-D torus that spans two grid axes).
+  recv_shapes = [(_RECV_SLOTS, *_recv_shape(schedule, k), rows, lanes) for k in range(streams)]
+  acc, *_ = pl.pallas_call(
     kernel,
-    out_shape=(
-      varying_like(x, x.shape),
-      # Receive slots live in HBM; an output is how a kernel gets an HBM buffer.
-      varying_like(x, (streams, _RECV_SLOTS, _max_slab_chunks(schedule), rows, lanes)),
-    ),
+    out_shape=(varying_like(x, x.shape), *(varying_like(x, shape) for shape in recv_shapes)),
     grid_spec=grid_spec,
     input_output_aliases={1: 0},  # operand 0 is the coordinates
     cost_estimate=_schedule_cost(schedule, rows * lanes, x.dtype.itemsize, reduce=True),

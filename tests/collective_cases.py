@@ -16,12 +16,15 @@ MESHES = {
   "1x8": (1, 8),
   "8x1": (8, 1),
   "2x2": (2, 2),
+  "2x2x2": (2, 2, 2),
+  "2x2x4": (2, 2, 4),  # 16 devices: subprocess tests only
 }
 
 
 def mesh_of(name: str):
   shape = MESHES[name]
-  return tc.make_torus_mesh(shape, devices=jax.devices()[: math.prod(shape)])
+  axis_names = ("x", "y", "z")[: len(shape)]
+  return tc.make_torus_mesh(shape, axis_names, devices=jax.devices()[: math.prod(shape)])
 
 
 def sharded(fn, mesh, check_vma=True):

@@ -90,8 +90,8 @@ def test_torus_mesh_needs_matching_device_count():
 
 
 def test_torus_mesh_rank():
-  with pytest.raises(ValueError, match="1 or 2 axes"):
-    tc.make_torus_mesh((2, 2, 2), axis_names=("a", "b", "c"))
+  with pytest.raises(ValueError, match="1 to 3 axes"):
+    tc.make_torus_mesh((2, 2, 2, 1), axis_names=("a", "b", "c", "d"))
 
 
 def test_torus_mesh_is_auto_typed():

@@ -14,10 +14,14 @@ COLLECTIVES = ("reduce_scatter", "all_gather", "all_reduce")
 CASES = [
   ((8,), "ring"),
   ((8,), "bidirectional_ring"),
-  ((2, 4), "torus_2d"),
-  ((2, 4), "torus_2d_split"),
-  ((4, 4), "torus_2d_split"),
-  ((3, 5), "torus_2d_split"),
+  ((2, 4), "torus"),
+  ((2, 4), "torus_split"),
+  ((4, 4), "torus_split"),
+  ((3, 5), "torus_split"),
+  ((2, 2, 2), "torus"),
+  ((2, 2, 2), "torus_split"),
+  ((3, 3, 3), "torus_split"),
+  ((2, 3, 4), "torus_split"),
 ]
 
 
@@ -66,10 +70,10 @@ def test_no_variant_beats_the_lower_bound(torus, collective, generation):
 @pytest.mark.parametrize("collective", COLLECTIVES)
 @pytest.mark.parametrize("n", [2, 4, 8, 32])
 def test_split_halves_meets_the_bandwidth_bound_on_square_tori(n, collective):
-  pred = cm.predict(collective, (n, n), "torus_2d_split", 1e8, NO_LATENCY)
+  pred = cm.predict(collective, (n, n), "torus_split", 1e8, NO_LATENCY)
   assert pred.time_s == pytest.approx(pred.bound_s, rel=1e-12)
   # The one-direction, one-axis-at-a-time torus uses 1 of 4 links: 4x the bound.
-  plain = cm.predict(collective, (n, n), "torus_2d", 1e8, NO_LATENCY)
+  plain = cm.predict(collective, (n, n), "torus", 1e8, NO_LATENCY)
   assert plain.time_s == pytest.approx(4 * pred.bound_s, rel=1e-12)
 
 
@@ -78,7 +82,7 @@ def test_split_halves_meets_the_bandwidth_bound_on_square_tori(n, collective):
 )
 def test_split_halves_within_stated_factor_for_resnet50(name, torus, factor):
   pred = cm.predict(
-    "all_reduce", torus, "torus_2d_split", cm.RESNET50_PARAMS * 4, cm.GENERATIONS[name]
+    "all_reduce", torus, "torus_split", cm.RESNET50_PARAMS * 4, cm.GENERATIONS[name]
   )
   assert 1.0 < pred.ratio_to_bound < factor
   assert pred.latency_s == pytest.approx(2 * (2 * torus[0] - 2) * 1e-6)
@@ -89,7 +93,7 @@ def test_streams_sharing_a_link_share_its_bandwidth():
   # +x/+y pair of streams moves (x-then-y) c, c/4 x6, c and (y-then-x) c/2 x3, c/4 x2,
   # c/2 x3; in steps 1, 2, 5, 6 both are on +y and add up: c (1 + 4 * 3/4 + 2/4 + 1).
   nbytes = 8e6
-  pred = cm.predict("all_reduce", (2, 4), "torus_2d_split", nbytes, NO_LATENCY)
+  pred = cm.predict("all_reduce", (2, 4), "torus_split", nbytes, NO_LATENCY)
   assert pred.bandwidth_s == pytest.approx(5.5 * nbytes / 8 / V5E.link_bandwidth, rel=1e-12)
 
 
@@ -125,17 +129,17 @@ def test_ranking_on_the_paper_pod():
     ).time_s
     for v in schedule_lib.Variant
   }
-  assert times["torus_2d_split"] < times["torus_2d"] < times["bidirectional_ring"] < times["ring"]
+  assert times["torus_split"] < times["torus"] < times["bidirectional_ring"] < times["ring"]
 
 
-def test_predict_rejects_a_3d_torus():
-  with pytest.raises(ValueError, match="2-D tori"):
-    cm.predict("all_reduce", (4, 4, 4), "torus_2d", 1e6, V5E)
+def test_predict_rejects_a_3d_torus_on_four_link_chips():
+  with pytest.raises(ValueError, match="up to 2 dimensions"):
+    cm.predict("all_reduce", (4, 4, 4), "torus", 1e6, V5E)
 
 
 def test_predict_rejects_nonpositive_size():
   with pytest.raises(ValueError, match="nbytes must be positive"):
-    cm.predict("all_reduce", (4, 4), "torus_2d", 0, V5E)
+    cm.predict("all_reduce", (4, 4), "torus", 0, V5E)
 
 
 def test_unknown_ring_order_is_rejected():
@@ -144,7 +148,7 @@ def test_unknown_ring_order_is_rejected():
 
 
 def test_schedule_of_another_shape_is_rejected():
-  sched = schedule_lib.build("all_reduce", (2, 4), "torus_2d")
+  sched = schedule_lib.build("all_reduce", (2, 4), "torus")
   with pytest.raises(ValueError, match="cannot be laid onto"):
     cm.link_bytes(sched, 1e6, (4, 2))
 
@@ -160,7 +164,69 @@ def test_cli_prints_every_pod_dtype_and_variant(capsys, tmp_path):
   out = capsys.readouterr().out
   assert "not measured" in out
   rows = [line for line in out.splitlines() if line.startswith(("v3 ", "v5e ", "v6e "))]
-  assert len(rows) == len(cm.PODS) * len(cm.DTYPE_BYTES) * len(schedule_lib.Variant)
-  split = [line.split() for line in rows if "torus_2d_split" in line]
+  assert len(rows) == 3 * len(cm.DTYPE_BYTES) * len(schedule_lib.Variant)
+  rows_3d = [line for line in out.splitlines() if line.startswith(("v4 ", "v5p "))]
+  assert len(rows_3d) == 4 * len(cm.DTYPE_BYTES) * (len(schedule_lib.Variant) + 2)
+  # alpha 0: the split schedule on the physical torus (2-D or 3-D) sits at the bound.
+  split = [line.split() for line in rows + rows_3d]
+  split = [cols for cols in split if cols[3] == "torus_split" and cols[4] == cols[1]]
+  assert len(split) == len(cm.PODS) * len(cm.DTYPE_BYTES)
   assert all(float(cols[-1]) == pytest.approx(1.0) for cols in split)  # alpha 0: at the bound
   assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+V5P = cm.GENERATIONS["v5p"]
+V5P_NO_LATENCY = dataclasses.replace(V5P, hop_latency=0.0)
+
+
+@pytest.mark.parametrize("generation", ["v4", "v5p"])
+@pytest.mark.parametrize("collective", COLLECTIVES)
+@pytest.mark.parametrize("n", [2, 4, 8, 16])
+def test_split_3d_meets_the_six_link_bound_on_cubic_tori(n, collective, generation):
+  gen = dataclasses.replace(cm.GENERATIONS[generation], hop_latency=0.0)
+  pred = cm.predict(collective, (n, n, n), "torus_split", 1e8, gen)
+  p, factor = n**3, 2 if collective == "all_reduce" else 1
+  six_links = factor * (p - 1) / p * 1e8 / (6 * gen.link_bandwidth)
+  assert pred.bound_s == pytest.approx(six_links, rel=1e-12)
+  assert pred.time_s == pytest.approx(six_links, rel=1e-12)
+  # One axis and one direction at a time: 1 of 6 links.
+  plain = cm.predict(collective, (n, n, n), "torus", 1e8, gen)
+  assert plain.time_s == pytest.approx(6 * six_links, rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_split_3d_beats_every_2d_and_1d_schedule_on_the_same_chips(n):
+  nbytes = cm.RESNET50_PARAMS * 4
+  times = {
+    (v.value, logical): cm.predict("all_reduce", (n,) * 3, v, nbytes, V5P, logical=logical).time_s
+    for v, logical in cm.candidates((n,) * 3)
+  }
+  best = times["torus_split", (n, n, n)]
+  assert best == min(times.values())
+  # A 2-D schedule reaches at most 4 of the 6 links: at least 1.5x the 3-D split.
+  assert times["torus_split", (n, n * n)] > 1.5 * best * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("torus", [(8, 8, 8), (16, 16, 16)])
+def test_split_3d_latency_is_one_hop_per_step_for_resnet50(torus):
+  pred = cm.predict("all_reduce", torus, "torus_split", cm.RESNET50_PARAMS * 4, V5P)
+  assert pred.steps == 2 * sum(n - 1 for n in torus)
+  assert pred.latency_s == pytest.approx(pred.steps * V5P.hop_latency)
+  assert pred.bandwidth_s == pytest.approx(pred.bound_s, rel=1e-12)
+
+
+def test_folded_2d_schedule_link_bytes_add_up():
+  """X x YZ on X x Y x Z: every logical hop crosses one physical link (the snake)."""
+  sched = schedule_lib.build("all_reduce", (4, 16), "torus_split")
+  loads = cm.link_bytes(sched, 3.0 * 2**20, (4, 4, 4))
+  np.testing.assert_allclose(loads.sum(), 64 * 2 * 63 / 64 * 3.0 * 2**20, rtol=1e-12)
+  assert cm.predict("all_reduce", (4, 4, 4), "ring", 1e6, V5P).latency_s == pytest.approx(
+    2 * 63 * V5P.hop_latency
+  )
+
+
+def test_snake_visits_every_chip_of_a_3d_torus_through_neighbours():
+  order = cm.ring_order((2, 3, 4))
+  assert sorted(order) == list(np.ndindex(2, 3, 4))
+  for a, b in zip(order, order[1:] + order[:1]):
+    assert sum(x != y for x, y in zip(a, b)) == 1

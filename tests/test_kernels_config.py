@@ -24,7 +24,7 @@ def test_default_blocks_fit_vmem_and_pad_little(rows, kind, vmem_budget):
   assert blocks * cfg.block_rows - rows < config_lib.ROW_MULTIPLE * blocks
 
 
-@pytest.mark.parametrize("torus", [(2, 4), (4, 2), (1, 8), (8,)])
+@pytest.mark.parametrize("torus", [(2, 4), (4, 2), (1, 8), (8,), (2, 2, 2), (2, 3, 4)])
 def test_all_reduce_schedule_is_reduce_scatter_then_all_gather(torus):
   """The kernels run an all-reduce as the reduce-scatter kernel then the all-gather kernel;
   that is the all-reduce schedule exactly."""

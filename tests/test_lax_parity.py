@@ -375,7 +375,17 @@ def test_three_mesh_axes(impl):
       x,
     )
 
-  check(impl, build, torus_error=(NotImplementedError, "at most 2 mesh axes.*auto"))
+  check(impl, build)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_four_mesh_axes(impl):
+  mesh, x = _mesh((2, 2, 2, 1), ("a", "b", "c", "d")), _data()
+
+  def build(ops):
+    return lambda: _shard_map(_local(lambda v: ops.psum(v, ("a", "b", "c", "d"))), mesh, x)
+
+  check(impl, build, torus_error=(NotImplementedError, "at most 3 mesh axes.*auto"))
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -1,5 +1,6 @@
 """torus-collectives: the 2-D torus collectives of "Image Classification at Supercomputer
-Scale" (Ying et al., 2018) as drop-in replacements for ``jax.lax`` collectives.
+Scale" (Ying et al., 2018), generalised to 3-D tori, as drop-in replacements for ``jax.lax``
+collectives.
 
 The public API. Layers below it, each importing only the ones after it: ``registry``
 (which implementation runs), then the portable ``shard_map_backend`` and the Pallas

@@ -62,8 +62,9 @@ SUPPORTED_DTYPES: dict[str, dict[str, tuple[jnp.dtype, ...] | None]] = {
   "pallas": {**dict.fromkeys(COLLECTIVES, _SUMMED), "batch_norm": _FLOATS},
 }
 
-# The torus implementations run on tori of at most this many named mesh axes.
-MAX_TORUS_AXES = 2
+# The torus implementations run on tori of at most this many named mesh axes (TPU v4 and
+# v5p are 3-D tori).
+MAX_TORUS_AXES = 3
 
 
 def supports(implementation: str, op: Op, dtype) -> bool:

@@ -1,10 +1,11 @@
 """The torus collective algorithms as data.
 
 Every device holds a buffer that is viewed as a grid of chunks, one grid axis per torus
-axis (in the order the caller names the axes), so chunk ``(c0, c1)`` is the one that
-``lax.psum_scatter(..., (axis0, axis1))`` hands to the device at mesh coordinates
-``(c0, c1)`` (row-major over the tuple). Each chunk is further split into ``len(streams)``
-equal slices; stream ``k`` carries slice ``k`` of every chunk, independently of the others.
+axis (in the order the caller names the axes, any number of them), so chunk ``(c0, c1, c2)``
+is the one that ``lax.psum_scatter(..., (axis0, axis1, axis2))`` hands to the device at mesh
+coordinates ``(c0, c1, c2)`` (row-major over the tuple). Each chunk is further split into
+``len(streams)`` equal slices; stream ``k`` carries slice ``k`` of every chunk, independently
+of the others.
 
 A stream is a sequence of ring phases. A phase runs a ring reduce-scatter or ring
 all-gather of ``n - 1`` steps along one torus axis of size ``n``, in one direction:
@@ -16,12 +17,16 @@ all-gather of ``n - 1`` steps along one torus axis of size ``n``, in one directi
 * all-gather along axis ``a``, direction ``d``, step ``s``: it sends slab ``(r - d s) mod n``
   and stores slab ``(r - d(s + 1)) mod n``. After ``n - 1`` steps every slab is present.
 
-Only the axes not yet reduced are "live" in a slab: a reduce-scatter along x moves whole
-rows of the grid, a later one along y moves single chunks. The variants below are the
-textbook 1-D ring, the bidirectional ring, the paper's 2-D torus (all of x, then all of y),
-and the paper's split form, in which half of every chunk goes x-then-y and the other half
-y-then-x, each over bidirectional rings, so the +x, -x, +y and -y links of every chip carry
-traffic in every step (on a square torus).
+Only the axes not yet reduced are "live" in a slab: on a 2-D torus a reduce-scatter along x
+moves whole rows of the grid, a later one along y moves single chunks. The variants below
+are the textbook 1-D ring, the bidirectional ring, the paper's torus (all of x, then all of
+y, and so on for every axis, one direction), and the split form: the paper's two halves
+(x-then-y and y-then-x over bidirectional rings) generalised to N axes. A chunk is split
+into 2N parts, one per (dimension, direction); part ``(r, d)`` visits the dimensions in the
+order rotated by ``r`` (``r, r+1, ..., r-1``) over rings in direction ``d``. In every step
+the N rotations are on N different axes, each in both directions, so all 2N links of every
+chip carry traffic (on a torus whose axes have equal sizes; otherwise the rotations drift
+out of phase and some steps share a link while another idles).
 
 The Pallas kernels, the ``shard_map`` fallback and the cost model all execute or price
 these same objects. ``simulate`` is the reference executor: plain numpy over ``p`` virtual
@@ -33,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -45,8 +51,8 @@ Collective = Literal["reduce_scatter", "all_gather", "all_reduce"]
 class Variant(enum.StrEnum):
   RING = "ring"
   BIDIRECTIONAL_RING = "bidirectional_ring"
-  TORUS_2D = "torus_2d"
-  TORUS_2D_SPLIT = "torus_2d_split"
+  TORUS = "torus"
+  TORUS_SPLIT = "torus_split"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +104,7 @@ class Transfer:
   def slab_elements(self, torus: Sequence[int], chunk_elements: int) -> int:
     """Elements moved by one device in this transfer (chunk_elements per grid chunk)."""
     others = [torus[a] for a in self.live_axes if a != self.phase.axis]
-    return int(np.prod(others, dtype=np.int64)) * chunk_elements
+    return math.prod(others) * chunk_elements
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,18 +166,17 @@ def _phases(kind: Kind, axes: Sequence[int], direction: int) -> tuple[Phase, ...
 def build(collective: Collective, torus: Sequence[int], variant: Variant | str) -> Schedule:
   """The schedule of ``collective`` on ``torus`` for one algorithm ``variant``.
 
-  The ring variants need a 1-axis torus (flatten the mesh first); the 2-D variants need 2.
+  The ring variants need a 1-axis torus (flatten the mesh first); the torus variants take
+  any number of axes (on one axis they are the ring and the bidirectional ring).
   """
   torus = tuple(int(n) for n in torus)
   variant = Variant(variant)
   if variant in (Variant.RING, Variant.BIDIRECTIONAL_RING) and len(torus) != 1:
     raise ValueError(f"{variant.value} runs on a 1-axis torus; got {torus=}. Flatten it first.")
-  if variant in (Variant.TORUS_2D, Variant.TORUS_2D_SPLIT) and len(torus) != 2:
-    raise ValueError(f"{variant.value} runs on a 2-axis torus; got {torus=}")
-  directions = (1,) if variant in (Variant.RING, Variant.TORUS_2D) else (1, -1)
-  orders = [tuple(range(len(torus)))]
-  if variant is Variant.TORUS_2D_SPLIT:
-    orders.append((1, 0))
+  directions = (1,) if variant in (Variant.RING, Variant.TORUS) else (1, -1)
+  axes = tuple(range(len(torus)))
+  rotations = len(torus) if variant is Variant.TORUS_SPLIT else 1
+  orders = [axes[r:] + axes[:r] for r in range(rotations)]
 
   streams = []
   for order, direction in itertools.product(orders, directions):
@@ -183,7 +188,7 @@ def build(collective: Collective, torus: Sequence[int], variant: Variant | str) 
 
 
 def default_variant(torus: Sequence[int]) -> Variant:
-  return Variant.TORUS_2D_SPLIT if len(torus) == 2 else Variant.BIDIRECTIONAL_RING
+  return Variant.TORUS_SPLIT if len(torus) > 1 else Variant.BIDIRECTIONAL_RING
 
 
 # ----------------------------------------------------------------------------------------

@@ -113,8 +113,10 @@ _GENERATIONS = (  # device_kind prefix -> cost-model generation
   ("TPU v5", "v5p"),
   ("TPU v6", "v6e"),
 )
-# Off TPU no interconnect is modelled; the floor then uses v5e's constants, an assumption.
+# Off TPU no interconnect is modelled; the floor then uses v5e's constants, an assumption,
+# and v5p's (six links) for a torus of three axes.
 _DEFAULT_GENERATION = "v5e"
+_DEFAULT_3D_GENERATION = "v5p"
 
 
 @functools.cache
@@ -125,9 +127,12 @@ def latency_floor_bytes(torus: tuple[int, ...], device_kind: str) -> int:
   if not kept:
     return 0
   name = next((g for k, g in _GENERATIONS if device_kind.startswith(k)), _DEFAULT_GENERATION)
-  physical = kept if len(kept) == 2 else (1,) + kept
+  generation = cost_model.GENERATIONS[name]
+  if len(kept) > generation.links_per_chip // 2:
+    generation = cost_model.GENERATIONS[_DEFAULT_3D_GENERATION]
+  physical = kept if len(kept) >= 2 else (1,) + kept
   variant = schedule_lib.default_variant(physical)
-  pred = cost_model.predict("all_reduce", physical, variant, 1.0, cost_model.GENERATIONS[name])
+  pred = cost_model.predict("all_reduce", physical, variant, 1.0, generation)
   return int(pred.latency_s / pred.bandwidth_s)
 
 

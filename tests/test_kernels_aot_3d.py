@@ -1,0 +1,59 @@
+"""Ahead-of-time compilation of the kernels on 3-D TPU topologies (v4, v5p), on CPU.
+
+Runs the real Mosaic compiler through libtpu (the ``tpu`` extra); selected with ``-m aot``.
+The meshes come from ``tc.make_torus_mesh`` over the topology's devices, which places each
+device at its chip coordinates (v4 exposes two devices per chip: they share the last axis).
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("libtpu")
+
+from jax.experimental import topologies  # noqa: E402
+
+import torus_collectives as tc  # noqa: E402
+from bench import aot_report  # noqa: E402
+
+pytestmark = pytest.mark.aot
+
+MOSAIC = "tpu_custom_call"
+XYZ = ("x", "y", "z")
+
+
+def _devices(topology):
+  return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+
+
+def _compiles(mesh, axes, elements, dtype):
+  compiled = aot_report.lower_all_reduce(mesh, elements, dtype, "pallas", axes=axes).compile()
+  return compiled.as_text().count(MOSAIC)
+
+
+@pytest.mark.parametrize(
+  "topology,shape,dtype",
+  [
+    ("v4:2x2x2", (2, 2, 4), jnp.bfloat16),
+    ("v5p:2x2x2", (2, 2, 2), jnp.float32),
+    ("v5p:4x4x4", (4, 4, 4), jnp.int32),
+  ],
+)
+def test_split_3d_all_reduce_compiles(topology, shape, dtype):
+  """Both kernels (reduce-scatter, then all-gather) on six streams, odd size."""
+  mesh = tc.make_torus_mesh(shape, XYZ, devices=_devices(topology))
+  assert _compiles(mesh, XYZ, 100_003, dtype) >= 2
+
+
+def test_2d_torus_over_a_3d_slice_compiles():
+  mesh = tc.make_torus_mesh((2, 4), ("x", "y"), devices=_devices("v5p:2x2x2"))
+  assert _compiles(mesh, ("x", "y"), 4096, jnp.float32) >= 2
+
+
+def test_3d_meshes_follow_chip_coordinates():
+  mesh = tc.make_torus_mesh((4, 4, 4), XYZ, devices=_devices("v5p:4x4x4"))
+  for index in np.ndindex(4, 4, 4):
+    assert tuple(mesh.devices[index].coords) == index
+  mesh = tc.make_torus_mesh((2, 2, 4), XYZ, devices=_devices("v4:2x2x2"))
+  for (i, j, k), device in np.ndenumerate(mesh.devices):
+    assert (tuple(device.coords), device.core_on_chip) == ((i, j, k // 2), k % 2)
