@@ -41,15 +41,16 @@ def kernel_mask(params) -> dict:
 
 
 def lars(
-  schedule: optax.Schedule,
+  learning_rate_fn: optax.Schedule,
   *,
   weight_decay: float,
   momentum: float,
   trust_coefficient: float,
   eps: float,
 ) -> optax.GradientTransformation:
+  """optax LARS with the kernel-only trust ratio and weight decay of ``kernel_mask``."""
   return optax.lars(
-    schedule,
+    learning_rate_fn,
     weight_decay=weight_decay,
     weight_decay_mask=kernel_mask,
     trust_coefficient=trust_coefficient,

@@ -2,7 +2,7 @@
 
 Every device of a 2-D torus mesh holds a replica of the train state and a slice of the
 global batch. One step is ``jax.jit`` of a ``jax.shard_map`` body that:
-  1. runs the model with batch norm statistics averaged over ``bn_group_size`` replicas,
+  1. runs the model with batch norm statistics averaged over a group of replicas,
   2. sums gradients over the whole torus with ``tc.all_reduce_gradients`` (2-D torus
      reduce-scatter / all-gather where the platform has it, lax elsewhere),
   3. applies LARS, and averages the moving BN statistics so the state stays replicated.
@@ -10,6 +10,11 @@ global batch. One step is ``jax.jit`` of a ``jax.shard_map`` body that:
 Around it: orbax checkpoints every N steps and on SIGTERM/SIGINT with automatic resume,
 a stop with the last good checkpoint kept when the loss or gradient turns non-finite,
 periodic top-1/top-5 evaluation, TensorBoard scalars, a progress bar, and a PNG plot.
+
+As in flax's examples/imagenet, each piece is its own function (``create_model``,
+``create_learning_rate_fn``, ``create_optimizer``, ``make_init_fn``, ``make_train_step``,
+``make_eval_step``, ``evaluate``, ``restore_or_create_state``) and
+``train_and_evaluate(config, workdir)`` composes them.
 """
 
 import functools
@@ -18,10 +23,11 @@ import math
 import pathlib
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -46,12 +52,12 @@ class TrainState:
 
 
 def torus_shape(num_devices: int) -> tuple[int, int]:
-  """The most square X x Y factorisation with X <= Y."""
+  """The most square X x Y factorisation with X <= Y (the default torus shape)."""
   x = max(d for d in range(1, math.isqrt(num_devices) + 1) if num_devices % d == 0)
   return x, num_devices // x
 
 
-def bn_group_size(span_examples: int, per_replica_batch: int, num_replicas: int) -> int:
+def replicas_per_bn_group(span_examples: int, per_replica_batch: int, num_replicas: int) -> int:
   """Replicas per BN group: the largest divisor of the replica count whose group holds at
   most ``span_examples`` examples (at least one replica)."""
   return max(
@@ -72,7 +78,7 @@ def _train_step(
   *,
   model,
   tx,
-  schedule,
+  learning_rate_fn,
   axes,
   num_classes,
   label_smoothing,
@@ -103,15 +109,15 @@ def _train_step(
     'train_loss': lax.pmean(loss, axes),
     'train_accuracy': lax.pmean(jnp.mean(jnp.argmax(logits, -1) == batch['label']), axes),
     'grad_norm': optax.tree.norm(grads),
-    'learning_rate': schedule(state.step),
+    'learning_rate': learning_rate_fn(state.step),
   }
   return new_state, metrics
 
 
 def make_train_step(
-  model,
-  tx,
-  schedule,
+  model: nn.Module,
+  tx: optax.GradientTransformation,
+  learning_rate_fn: optax.Schedule,
   mesh: jax.sharding.Mesh,
   *,
   num_classes: int,
@@ -129,7 +135,7 @@ def make_train_step(
     _train_step,
     model=model,
     tx=tx,
-    schedule=schedule,
+    learning_rate_fn=learning_rate_fn,
     axes=mesh.axis_names,
     num_classes=num_classes,
     label_smoothing=label_smoothing,
@@ -154,6 +160,148 @@ def _eval_step(state: TrainState, batch, *, model, axes):
     },
     axes,
   )
+
+
+def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh) -> Callable:
+  """Jitted ``(state, batch) -> {'top1', 'top5', 'count'}`` summed over the whole mesh."""
+  return jax.jit(
+    jax.shard_map(
+      functools.partial(_eval_step, model=model, axes=mesh.axis_names),
+      mesh=mesh,
+      in_specs=(P(), P(mesh.axis_names)),
+      out_specs=P(),
+    )
+  )
+
+
+def evaluate(
+  eval_step: Callable, state: TrainState, batches: Iterable[dict[str, jax.Array]]
+) -> dict[str, float]:
+  """Top-1 and top-5 accuracy of ``state`` over every real example of ``batches``."""
+  totals = {'top1': 0, 'top5': 0, 'count': 0}
+  for batch in batches:
+    for k, v in eval_step(state, batch).items():
+      totals[k] += int(v)
+  return {
+    'eval_top1': totals['top1'] / totals['count'],
+    'eval_top5': totals['top5'] / totals['count'],
+  }
+
+
+def create_model(
+  config: ml_collections.ConfigDict, num_classes: int, mesh: jax.sharding.Mesh
+) -> models.ResNet:
+  """The configured ResNet, with batch norm over ``config.bn_group_size`` replicas (0: as
+  many as hold ``config.bn_span_examples`` examples)."""
+  num_replicas = mesh.devices.size
+  group = config.bn_group_size or replicas_per_bn_group(
+    config.bn_span_examples, config.global_batch_size // num_replicas, num_replicas
+  )
+  return models.create_model(
+    config.model,
+    num_classes=num_classes,
+    dtype=jnp.dtype(config.dtype),
+    axis_name=mesh.axis_names,
+    bn_group_size=group,
+    bn_momentum=config.bn_momentum,
+  )
+
+
+def create_learning_rate_fn(
+  config: ml_collections.ConfigDict, steps_per_epoch: int, total_steps: int
+) -> optax.Schedule:
+  return optim.learning_rate_schedule(
+    base_learning_rate=config.base_learning_rate,
+    global_batch=config.global_batch_size,
+    warmup_steps=round(config.warmup_epochs * steps_per_epoch),
+    total_steps=total_steps,
+    end_learning_rate=config.end_learning_rate,
+    power=config.lr_decay_power,
+  )
+
+
+def create_optimizer(
+  config: ml_collections.ConfigDict, learning_rate_fn: optax.Schedule
+) -> optax.GradientTransformation:
+  return optim.lars(
+    learning_rate_fn,
+    weight_decay=config.weight_decay,
+    momentum=config.momentum,
+    trust_coefficient=config.lars_trust_coefficient,
+    eps=config.lars_eps,
+  )
+
+
+def make_init_fn(
+  model: nn.Module, tx: optax.GradientTransformation, image_size: int
+) -> Callable[[jax.Array], TrainState]:
+  """Jitted ``key -> TrainState`` at step 0.
+
+  It runs on one device and the result is replicated afterwards: partitioning the random
+  initialisers over every device only costs compile time.
+  """
+
+  @jax.jit
+  def init(key):
+    variables = model.init(key, jnp.zeros((1, image_size, image_size, 3), model.dtype), train=False)
+    return TrainState(
+      step=jnp.zeros((), jnp.int32),
+      params=variables['params'],
+      batch_stats=variables['batch_stats'],
+      opt_state=tx.init(variables['params']),
+    )
+
+  return init
+
+
+def create_checkpoint_manager(workdir: pathlib.Path) -> ocp.CheckpointManager:
+  """Orbax manager of ``workdir/checkpoints`` keeping the two newest steps."""
+  return ocp.CheckpointManager(
+    workdir / 'checkpoints', options=ocp.CheckpointManagerOptions(max_to_keep=2)
+  )
+
+
+def restore_or_create_state(
+  checkpoints: ocp.CheckpointManager,
+  init_fn: Callable[[jax.Array], TrainState],
+  key: jax.Array,
+  sharding: jax.sharding.Sharding,
+) -> TrainState:
+  """The latest checkpoint if there is one (read straight into ``sharding``, nothing is
+  initialised just to be overwritten), else a fresh state."""
+  if checkpoints.latest_step() is None:
+    return jax.device_put(init_fn(key), sharding)
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+    jax.eval_shape(init_fn, key),
+  )
+  state = checkpoints.restore(checkpoints.latest_step(), args=ocp.args.StandardRestore(abstract))
+  logging.warning('Resumed from step %d in %s', int(state.step), checkpoints.directory)
+  return state
+
+
+class ThroughputMeter:
+  """Training images per second over the steps since the last ``restart``.
+
+  The loop restarts it after compilation, evaluation and checkpointing, so that only
+  training steps are timed; ``rate`` keeps the last measurement when nothing was timed.
+  """
+
+  def __init__(self, global_batch_size: int):
+    self._batch = global_batch_size
+    self.rate = 0.0
+    self.restart()
+
+  def restart(self) -> None:
+    self._start, self._steps = time.time(), 0
+
+  def count_step(self) -> None:
+    self._steps += 1
+
+  def measure(self) -> float:
+    if self._steps:
+      self.rate = self._steps * self._batch / (time.time() - self._start)
+    return self.rate
 
 
 class _StopRequest:
@@ -184,8 +332,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       f'multiples of the {num_devices} devices.'
     )
   mesh = tc.make_torus_mesh(tuple(config.mesh_shape) or torus_shape(num_devices))
-  axes = mesh.axis_names
-  data_sharding = NamedSharding(mesh, P(axes))
+  data_sharding = NamedSharding(mesh, P(mesh.axis_names))
   replicated = NamedSharding(mesh, P())
   local_batch = config.global_batch_size // num_processes
   local_eval_batch = config.eval_batch_size // num_processes
@@ -205,54 +352,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   )
   eval_every = max(1, round(config.eval_every_epochs * steps_per_epoch))
 
-  per_replica = config.global_batch_size // num_devices
-  group = (
-    config.bn_group_size
-    if config.bn_group_size > 0
-    else bn_group_size(config.bn_span_examples, per_replica, num_devices)
-  )
-  model = models.create_model(
-    config.model,
-    num_classes=train_split.num_classes,
-    dtype=jnp.dtype(config.dtype),
-    axis_name=axes,
-    bn_group_size=group,
-    bn_momentum=config.bn_momentum,
-  )
-  schedule = optim.learning_rate_schedule(
-    base_learning_rate=config.base_learning_rate,
-    global_batch=config.global_batch_size,
-    warmup_steps=round(config.warmup_epochs * steps_per_epoch),
-    total_steps=total_steps,
-    end_learning_rate=config.end_learning_rate,
-    power=config.lr_decay_power,
-  )
-  tx = optim.lars(
-    schedule,
-    weight_decay=config.weight_decay,
-    momentum=config.momentum,
-    trust_coefficient=config.lars_trust_coefficient,
-    eps=config.lars_eps,
-  )
-
-  # Initialised on one device and then replicated: partitioning the random initialisers
-  # over every device only costs compile time.
-  @jax.jit
-  def init(key):
-    shape = (1, config.image_size, config.image_size, 3)
-    variables = model.init(key, jnp.zeros(shape, model.dtype), train=False)
-    return TrainState(
-      step=jnp.zeros((), jnp.int32),
-      params=variables['params'],
-      batch_stats=variables['batch_stats'],
-      opt_state=tx.init(variables['params']),
-    )
-
+  model = create_model(config, train_split.num_classes, mesh)
+  learning_rate_fn = create_learning_rate_fn(config, steps_per_epoch, total_steps)
+  tx = create_optimizer(config, learning_rate_fn)
+  init_fn = make_init_fn(model, tx, config.image_size)
   train_step = jax.jit(
     make_train_step(
       model,
       tx,
-      schedule,
+      learning_rate_fn,
       mesh,
       num_classes=train_split.num_classes,
       label_smoothing=config.label_smoothing,
@@ -262,29 +370,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     ),
     donate_argnums=0,
   )
-  eval_step = jax.jit(
-    jax.shard_map(
-      functools.partial(_eval_step, model=model, axes=axes),
-      mesh=mesh,
-      in_specs=(P(), P(axes)),
-      out_specs=P(),
-    )
-  )
+  eval_step = make_eval_step(model, mesh)
 
-  checkpoints = ocp.CheckpointManager(
-    workdir / 'checkpoints', options=ocp.CheckpointManagerOptions(max_to_keep=2)
-  )
+  checkpoints = create_checkpoint_manager(workdir)
   # rbg: XLA's RngBitGenerator compiles far faster than threefry for large inits.
   key = jax.random.key(config.seed, impl='rbg')
-  if checkpoints.latest_step() is None:
-    state = jax.device_put(init(key), replicated)
-  else:  # shapes only: nothing is initialised just to be overwritten
-    abstract = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-      jax.eval_shape(init, key),
-    )
-    state = checkpoints.restore(checkpoints.latest_step(), args=ocp.args.StandardRestore(abstract))
-    logging.warning('Resumed from step %d in %s', int(state.step), checkpoints.directory)
+  state = restore_or_create_state(checkpoints, init_fn, key, replicated)
   start_step = int(state.step)
 
   preprocessing = input_pipeline.Preprocessing(
@@ -314,18 +405,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     cache=config.cache,
   )
 
-  def evaluate() -> dict[str, float]:
-    totals = {'top1': 0, 'top5': 0, 'count': 0}
+  def eval_batches():
     batches = input_pipeline.device_prefetch(
       eval_data.as_numpy_iterator(), data_sharding, host_keys=()
     )
-    for batch, _ in itertools.islice(batches, eval_steps):
-      for k, v in eval_step(state, batch).items():
-        totals[k] += int(v)
-    return {
-      'eval_top1': totals['top1'] / totals['count'],
-      'eval_top5': totals['top5'] / totals['count'],
-    }
+    return (batch for batch, _ in itertools.islice(batches, eval_steps))
 
   writer = reporting.MetricWriter(workdir)
   stop = _StopRequest()
@@ -336,18 +420,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     disable=jax.process_index() != 0,
     dynamic_ncols=True,
   )
+  throughput = ThroughputMeter(config.global_batch_size)
   last_good = checkpoints.latest_step()
-  images_per_second, eval_metrics, evaluated_at = 0.0, {}, None
+  eval_metrics, evaluated_at = {}, None
   skipped = reported_skipped = 0
-  window_start, window_steps = time.time(), 0
   try:
     for step in range(start_step + 1, total_steps + 1):
       batch, host = next(train_batches)
       state, metrics = train_step(state, batch)
-      window_steps += 1
+      throughput.count_step()
       if step == start_step + 1:  # keep compilation out of the throughput
         jax.block_until_ready(state)
-        window_start, window_steps = time.time(), 0
+        throughput.restart()
       skipped = max(skipped, int(host['skipped'].max()))
       log_now = step % config.log_every_steps == 0 or step == total_steps
       stopping = stop.signal is not None  # read once: a signal may land mid-iteration
@@ -361,15 +445,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           f'saving; the last good checkpoint (step {last_good}) is kept in '
           f'{checkpoints.directory}. Lower base_learning_rate or raise warmup_epochs.'
         )
-      if window_steps:
-        images_per_second = window_steps * config.global_batch_size / (time.time() - window_start)
-      scalars.update(images_per_second=images_per_second, skipped_images=skipped)
+      scalars.update(images_per_second=throughput.measure(), skipped_images=skipped)
       if step % eval_every == 0 or step == total_steps:
-        eval_metrics, evaluated_at = evaluate(), step
+        eval_metrics, evaluated_at = evaluate(eval_step, state, eval_batches()), step
         scalars.update(eval_metrics)
       writer.write(step, scalars)
       progress.set_postfix(
-        loss=f"{scalars['train_loss']:.3f}", img_s=f'{images_per_second:.1f}', refresh=False
+        loss=f"{scalars['train_loss']:.3f}", img_s=f'{throughput.rate:.1f}', refresh=False
       )
       progress.update(step - progress.n)
       if skipped > reported_skipped:
@@ -378,7 +460,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       if checkpoint_now:
         checkpoints.save(step, args=ocp.args.StandardSave(state))
         last_good = step
-      window_start, window_steps = time.time(), 0  # evaluation and saving not counted
+      throughput.restart()  # evaluation and saving are not counted
       if stopping:
         checkpoints.wait_until_finished()
         logging.warning(
@@ -395,12 +477,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     stop.restore()
 
   if evaluated_at != int(state.step):  # stopped by a signal, or resumed at the end
-    eval_metrics = evaluate()
+    eval_metrics = evaluate(eval_step, state, eval_batches())
   wall = time.time() - start_time
   plot = reporting.plot_curves(workdir)
   summary = {
     **eval_metrics,
-    'images_per_second': images_per_second,
+    'images_per_second': throughput.rate,
     'wall_seconds': wall,
     'step': int(state.step),
     'skipped_images': skipped,
@@ -409,6 +491,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     print(
       f"{config.model} on {config.dataset}: top-1 {eval_metrics['eval_top1']:.2%}, "
       f"top-5 {eval_metrics['eval_top5']:.2%} after {int(state.step)} steps; "
-      f'{images_per_second:.1f} images/s; wall time {wall:.0f} s; curves in {plot}'
+      f'{throughput.rate:.1f} images/s; wall time {wall:.0f} s; curves in {plot}'
     )
   return summary

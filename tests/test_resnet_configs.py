@@ -19,15 +19,15 @@ def test_pod_config_is_a_32x32_torus_with_bn_over_64_examples():
   config = pod.get_config()
   assert tuple(config.mesh_shape) == (32, 32)
   per_device = config.global_batch_size // 1024
-  assert train.bn_group_size(config.bn_span_examples, per_device, 1024) * per_device == 64
+  assert train.replicas_per_bn_group(config.bn_span_examples, per_device, 1024) * per_device == 64
 
 
 @pytest.mark.parametrize(
   'span, per_replica, replicas, group',
   [(64, 8, 8, 8), (64, 16, 8, 4), (64, 32, 1024, 2), (64, 128, 8, 1), (64, 12, 6, 3)],
 )
-def test_bn_group_size(span, per_replica, replicas, group):
-  assert train.bn_group_size(span, per_replica, replicas) == group
+def test_replicas_per_bn_group(span, per_replica, replicas, group):
+  assert train.replicas_per_bn_group(span, per_replica, replicas) == group
 
 
 @pytest.mark.parametrize(

@@ -48,8 +48,8 @@ def test_lars_scales_kernels_and_leaves_bn_and_biases_to_plain_sgd():
     np.testing.assert_allclose(updates[name]['kernel'], expected, rtol=1e-5)
 
 
-def test_schedule_warms_up_linearly_then_decays_to_the_end_rate():
-  schedule = optim.learning_rate_schedule(
+def test_learning_rate_warms_up_linearly_then_decays_to_the_end_rate():
+  learning_rate_fn = optim.learning_rate_schedule(
     base_learning_rate=2.0,
     global_batch=512,
     warmup_steps=10,
@@ -57,6 +57,8 @@ def test_schedule_warms_up_linearly_then_decays_to_the_end_rate():
     end_learning_rate=0.01,
     power=2.0,
   )
-  np.testing.assert_allclose([schedule(0), schedule(5), schedule(10)], [0.0, 2.0, 4.0])
-  np.testing.assert_allclose(schedule(20), 0.01 + (4.0 - 0.01) * 0.25, rtol=1e-6)
-  np.testing.assert_allclose(schedule(30), 0.01, rtol=1e-6)
+  np.testing.assert_allclose(
+    [learning_rate_fn(0), learning_rate_fn(5), learning_rate_fn(10)], [0.0, 2.0, 4.0]
+  )
+  np.testing.assert_allclose(learning_rate_fn(20), 0.01 + (4.0 - 0.01) * 0.25, rtol=1e-6)
+  np.testing.assert_allclose(learning_rate_fn(30), 0.01, rtol=1e-6)
