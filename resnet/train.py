@@ -7,9 +7,13 @@ global batch. One step is ``jax.jit`` of a ``jax.shard_map`` body that:
      reduce-scatter / all-gather where the platform has it, lax elsewhere),
   3. applies LARS, and averages the moving BN statistics so the state stays replicated.
 
-Around it: orbax checkpoints every N steps and on SIGTERM/SIGINT with automatic resume,
-a stop with the last good checkpoint kept when the loss or gradient turns non-finite,
-periodic top-1/top-5 evaluation, TensorBoard scalars, a progress bar, and a PNG plot.
+Around it: the config validated before anything is built; orbax checkpoints every N
+steps with content digests, and a resume from the newest one that verifies (see
+``checkpoints``); SIGTERM/SIGINT on any process makes every process save the same step and
+exit, and a silent peer is named within half the heartbeat timeout (see ``faults``); a
+stop without saving when the loss or gradient turns non-finite; periodic top-1/top-5
+evaluation; TensorBoard scalars and ``metrics.jsonl``, one row per step across resumes; a
+progress bar; and a PNG plot.
 
 As in flax's examples/imagenet, each piece is its own function (``create_model``,
 ``create_learning_rate_fn``, ``create_optimizer``, ``make_init_fn``, ``make_train_step``,
@@ -32,7 +36,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
-import orbax.checkpoint as ocp
 import tqdm
 from absl import logging
 from jax import lax
@@ -40,7 +43,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
-from resnet import data_sources, input_pipeline, models, optim, reporting
+from resnet import (
+  checkpoints,
+  data_sources,
+  faults,
+  input_pipeline,
+  models,
+  optim,
+  reporting,
+  validation,
+)
 
 
 @flax.struct.dataclass
@@ -111,6 +123,8 @@ def _train_step(
     'grad_norm': optax.tree.norm(grads),
     'learning_rate': learning_rate_fn(state.step),
   }
+  if 'stop' in batch:  # one more scalar in the step's own collectives: the stop agreement
+    metrics['stop'] = lax.pmax(jnp.max(batch['stop']), axes)
   return new_state, metrics
 
 
@@ -128,8 +142,10 @@ def make_train_step(
 
   The state is replicated and the batch split over all devices. ``average_gradients(grads,
   axes)`` averages the per-device gradients over the mesh (``tc.all_reduce_gradients`` in
-  training; a benchmark may pass ``lax.pmean``). The result is not jitted, so the caller
-  chooses whether to donate the state.
+  training; a benchmark may pass ``lax.pmean``). A batch may carry ``'stop'``, one int32
+  per device (see ``faults.StopRequest``); ``metrics['stop']`` is then its maximum over
+  the mesh, the same on every process. The result is not jitted, so the caller chooses
+  whether to donate the state.
   """
   body = functools.partial(
     _train_step,
@@ -175,16 +191,24 @@ def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh) -> Callable:
 
 
 def evaluate(
-  eval_step: Callable, state: TrainState, batches: Iterable[dict[str, jax.Array]]
+  eval_step: Callable,
+  state: TrainState,
+  batches: Iterable[dict[str, jax.Array]],
+  num_examples: int,
 ) -> dict[str, float]:
-  """Top-1 and top-5 accuracy of ``state`` over every real example of ``batches``."""
+  """Top-1 and top-5 accuracy of ``state`` over every real example of ``batches``, and
+  how many of the split's ``num_examples`` images could not be decoded (the pipeline
+  drops those, so they are the ones that never arrived)."""
   totals = {'top1': 0, 'top5': 0, 'count': 0}
   for batch in batches:
     for k, v in eval_step(state, batch).items():
       totals[k] += int(v)
+  if not totals['count']:
+    raise ValueError(f'None of the {num_examples} evaluation images could be decoded.')
   return {
     'eval_top1': totals['top1'] / totals['count'],
     'eval_top5': totals['top5'] / totals['count'],
+    'eval_skipped_images': num_examples - totals['count'],
   }
 
 
@@ -210,10 +234,17 @@ def create_model(
 def create_learning_rate_fn(
   config: ml_collections.ConfigDict, steps_per_epoch: int, total_steps: int
 ) -> optax.Schedule:
+  warmup_steps = round(config.warmup_epochs * steps_per_epoch)
+  if warmup_steps >= total_steps:
+    raise ValueError(
+      f'config.warmup_epochs={config.warmup_epochs} is {warmup_steps} steps; it must be '
+      f'shorter than the {total_steps} training steps, i.e. below '
+      f'{total_steps / steps_per_epoch:.3g} epochs at {steps_per_epoch} steps per epoch.'
+    )
   return optim.learning_rate_schedule(
     base_learning_rate=config.base_learning_rate,
     global_batch=config.global_batch_size,
-    warmup_steps=round(config.warmup_epochs * steps_per_epoch),
+    warmup_steps=warmup_steps,
     total_steps=total_steps,
     end_learning_rate=config.end_learning_rate,
     power=config.lr_decay_power,
@@ -254,29 +285,22 @@ def make_init_fn(
   return init
 
 
-def create_checkpoint_manager(workdir: pathlib.Path) -> ocp.CheckpointManager:
-  """Orbax manager of ``workdir/checkpoints`` keeping the two newest steps."""
-  return ocp.CheckpointManager(
-    workdir / 'checkpoints', options=ocp.CheckpointManagerOptions(max_to_keep=2)
-  )
-
-
 def restore_or_create_state(
-  checkpoints: ocp.CheckpointManager,
+  store: checkpoints.VerifiedCheckpoints,
   init_fn: Callable[[jax.Array], TrainState],
   key: jax.Array,
   sharding: jax.sharding.Sharding,
 ) -> TrainState:
-  """The latest checkpoint if there is one (read straight into ``sharding``, nothing is
-  initialised just to be overwritten), else a fresh state."""
-  if checkpoints.latest_step() is None:
-    return jax.device_put(init_fn(key), sharding)
+  """The newest intact checkpoint if there is one (read straight into ``sharding``,
+  nothing is initialised just to be overwritten), else a fresh state."""
   abstract = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
     jax.eval_shape(init_fn, key),
   )
-  state = checkpoints.restore(checkpoints.latest_step(), args=ocp.args.StandardRestore(abstract))
-  logging.warning('Resumed from step %d in %s', int(state.step), checkpoints.directory)
+  state = store.restore_newest_intact(abstract)
+  if state is None:
+    return jax.device_put(init_fn(key), sharding)
+  logging.warning('Resumed from the verified step %d in %s', int(state.step), store.directory)
   return state
 
 
@@ -304,33 +328,39 @@ class ThroughputMeter:
     return self.rate
 
 
-class _StopRequest:
-  """Turns SIGTERM/SIGINT into a flag the loop polls, so it can checkpoint and exit."""
-
-  def __init__(self):
-    self.signal = None
-    self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
-
-  def _handle(self, signum, frame):
-    del frame
-    self.signal = signal.Signals(signum).name
-
-  def restore(self):
-    for s, handler in self._previous.items():
-      signal.signal(s, handler)
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-  """Trains (resuming from ``workdir``'s latest checkpoint) and returns final metrics."""
-  start_time = time.time()
+  """Trains (resuming from ``workdir``'s newest intact checkpoint) and returns final metrics.
+
+  Raises:
+    ValueError: for an invalid config, before anything is built.
+    FloatingPointError: when the training metrics turn non-finite (nothing is saved).
+  """
+  validation.validate_config(config, num_devices=jax.device_count())
   workdir = pathlib.Path(workdir).absolute()
   workdir.mkdir(parents=True, exist_ok=True)
+  store = checkpoints.VerifiedCheckpoints(workdir)
+  # Both from the start: a signal or a dead peer during setup or compilation counts too.
+  stop = faults.StopRequest(config.stop_timeout_seconds, store.describe_latest)
+  watchdog = faults.PeerWatchdog(config.heartbeat_timeout_seconds / 2, store.describe_latest)
+  finished = False
+  try:
+    summary = _train_and_evaluate(config, workdir, store, stop)
+    finished = True
+  finally:
+    watchdog.close(finished=finished)
+    stop.close()
+    store.close()
+  return summary
+
+
+def _train_and_evaluate(
+  config: ml_collections.ConfigDict,
+  workdir: pathlib.Path,
+  store: checkpoints.VerifiedCheckpoints,
+  stop: faults.StopRequest,
+) -> dict[str, float]:
+  start_time = time.time()
   num_devices, num_processes = jax.device_count(), jax.process_count()
-  if config.global_batch_size % num_devices or config.eval_batch_size % num_devices:
-    raise ValueError(
-      f'{config.global_batch_size=} and {config.eval_batch_size=} must be '
-      f'multiples of the {num_devices} devices.'
-    )
   mesh = tc.make_torus_mesh(tuple(config.mesh_shape) or torus_shape(num_devices))
   data_sharding = NamedSharding(mesh, P(mesh.axis_names))
   replicated = NamedSharding(mesh, P())
@@ -345,6 +375,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     config.dataset, config.data_dir, config.eval_split, block=local_eval_batch, **split_args
   )
   steps_per_epoch = train_split.total_examples // config.global_batch_size
+  if not steps_per_epoch:
+    raise ValueError(
+      f'config.global_batch_size={config.global_batch_size} must be at most the '
+      f'{train_split.total_examples} training examples of {config.dataset!r}.'
+    )
   total_steps = (
     config.num_train_steps
     if config.num_train_steps > 0
@@ -372,10 +407,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   )
   eval_step = make_eval_step(model, mesh)
 
-  checkpoints = create_checkpoint_manager(workdir)
   # rbg: XLA's RngBitGenerator compiles far faster than threefry for large inits.
   key = jax.random.key(config.seed, impl='rbg')
-  state = restore_or_create_state(checkpoints, init_fn, key, replicated)
+  state = restore_or_create_state(store, init_fn, key, replicated)
   start_step = int(state.step)
 
   preprocessing = input_pipeline.Preprocessing(
@@ -405,14 +439,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     cache=config.cache,
   )
 
-  def eval_batches():
+  def run_evaluation():
     batches = input_pipeline.device_prefetch(
       eval_data.as_numpy_iterator(), data_sharding, host_keys=()
     )
-    return (batch for batch, _ in itertools.islice(batches, eval_steps))
+    return evaluate(
+      eval_step,
+      state,
+      (batch for batch, _ in itertools.islice(batches, eval_steps)),
+      eval_split.total_examples,
+    )
 
-  writer = reporting.MetricWriter(workdir)
-  stop = _StopRequest()
+  writer = reporting.MetricWriter(workdir, start_step)
   progress = tqdm.tqdm(
     total=total_steps,
     initial=start_step,
@@ -421,33 +459,37 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     dynamic_ncols=True,
   )
   throughput = ThroughputMeter(config.global_batch_size)
-  last_good = checkpoints.latest_step()
   eval_metrics, evaluated_at = {}, None
-  skipped = reported_skipped = 0
+  skipped = reported_skipped = reported_eval_skipped = 0
+  previous_stop = None  # the previous step's agreed stop code, still on its way to the host
   try:
     for step in range(start_step + 1, total_steps + 1):
       batch, host = next(train_batches)
-      state, metrics = train_step(state, batch)
+      state, metrics = train_step(state, dict(batch, stop=stop.device_flags(data_sharding)))
+      agreed_stop = metrics.pop('stop')
+      agreed_stop.copy_to_host_async()
       throughput.count_step()
       if step == start_step + 1:  # keep compilation out of the throughput
         jax.block_until_ready(state)
         throughput.restart()
+      # Reading the previous step's agreement keeps one step in flight; every process reads
+      # the same value here, so all stop after this same step.
+      stop_code = 0 if previous_stop is None else int(previous_stop)
+      previous_stop = agreed_stop
       skipped = max(skipped, int(host['skipped'].max()))
       log_now = step % config.log_every_steps == 0 or step == total_steps
-      stopping = stop.signal is not None  # read once: a signal may land mid-iteration
-      checkpoint_now = step % config.checkpoint_every_steps == 0 or step == total_steps or stopping
+      checkpoint_now = step % config.checkpoint_every_steps == 0 or step == total_steps or stop_code
       if not (log_now or checkpoint_now or step % eval_every == 0):
         continue
       scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
       if not all(map(math.isfinite, scalars.values())):
         raise FloatingPointError(
-          f'Non-finite training metrics at step {step}: {scalars}. Stopped without '
-          f'saving; the last good checkpoint (step {last_good}) is kept in '
-          f'{checkpoints.directory}. Lower base_learning_rate or raise warmup_epochs.'
+          f'Non-finite training metrics at step {step}: {scalars}. Stopped without saving; '
+          f'the newest checkpoint is {store.describe_latest()}.'
         )
       scalars.update(images_per_second=throughput.measure(), skipped_images=skipped)
       if step % eval_every == 0 or step == total_steps:
-        eval_metrics, evaluated_at = evaluate(eval_step, state, eval_batches()), step
+        eval_metrics, evaluated_at = run_evaluation(), step
         scalars.update(eval_metrics)
       writer.write(step, scalars)
       progress.set_postfix(
@@ -457,27 +499,27 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       if skipped > reported_skipped:
         logging.warning('Skipped %d unreadable training images so far.', skipped)
         reported_skipped = skipped
+      if eval_metrics.get('eval_skipped_images', 0) > reported_eval_skipped:
+        reported_eval_skipped = eval_metrics['eval_skipped_images']
+        logging.warning('Skipped %d unreadable evaluation images.', reported_eval_skipped)
       if checkpoint_now:
-        checkpoints.save(step, args=ocp.args.StandardSave(state))
-        last_good = step
+        store.save(step, state)
       throughput.restart()  # evaluation and saving are not counted
-      if stopping:
-        checkpoints.wait_until_finished()
+      if stop_code:
+        stop.saved()
         logging.warning(
-          '%s: saved step %d to %s; rerun the same command to resume.',
-          stop.signal,
+          'Stopped for %s (received by %s): saved step %d to %s; rerun the same command to resume.',
+          signal.Signals(stop_code).name,
+          'this process' if stop.code else 'another process',
           step,
-          checkpoints.directory,
+          store.directory,
         )
         break
   finally:
-    checkpoints.wait_until_finished()
-    checkpoints.close()
     progress.close()
-    stop.restore()
 
   if evaluated_at != int(state.step):  # stopped by a signal, or resumed at the end
-    eval_metrics = evaluate(eval_step, state, eval_batches())
+    eval_metrics = run_evaluation()
   wall = time.time() - start_time
   plot = reporting.plot_curves(workdir)
   summary = {
