@@ -25,6 +25,7 @@ is therefore pipeline time per batch over step time per batch: below 1, it keeps
 is timed alone; in training it shares the cores with the step.
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -36,6 +37,7 @@ from settings import FULL
 import torus_collectives as tc
 from resnet import data_sources, input_pipeline, models, optim, train
 from resnet.configs import default
+from torus_collectives import nn as tc_nn
 from torus_collectives import tune
 
 CONFIG = default.get_config()
@@ -60,11 +62,11 @@ def _step_and_state(mesh, batch_norm, average_gradients, config: ml_collections.
     num_classes=NUM_CLASSES,
     dtype=jnp.dtype(CONFIG.dtype),
     axis_name=mesh.axis_names,
-    bn_group_size=NUM_REPLICAS,
     bn_momentum=CONFIG.bn_momentum,
-    batch_norm=batch_norm,
+    # Statistics over all replicas in both: group_size None is the whole mesh for ours.
+    norm=nn.BatchNorm if batch_norm == "flax" else tc_nn.BatchNorm,
   )
-  schedule = optim.learning_rate_schedule(
+  learning_rate_fn = optim.learning_rate_schedule(
     base_learning_rate=CONFIG.base_learning_rate,
     global_batch=CONFIG.global_batch_size,
     warmup_steps=10,
@@ -72,28 +74,15 @@ def _step_and_state(mesh, batch_norm, average_gradients, config: ml_collections.
     end_learning_rate=CONFIG.end_learning_rate,
     power=CONFIG.lr_decay_power,
   )
-  tx, opt_state_spec = optim.create_optimizer(config, schedule, mesh.axis_names)
-
-  @jax.jit
-  def init(key):
-    image = jnp.zeros((1, CONFIG.image_size, CONFIG.image_size, 3), model.dtype)
-    variables = model.init(key, image, train=False)
-    return train.TrainState(
-      step=jnp.zeros((), jnp.int32),
-      params=variables["params"],
-      batch_stats=variables["batch_stats"],
-      opt_state=jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=opt_state_spec)(
-        variables["params"]
-      ),
-    )
-
+  tx, opt_state_spec = optim.create_optimizer(config, learning_rate_fn, mesh.axis_names)
+  init = train.make_init_fn(model, tx, CONFIG.image_size, mesh, opt_state_spec)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), train.state_specs(opt_state_spec))
   state = jax.device_put(init(jax.random.key(0, impl="rbg")), shardings)
   step = jax.jit(
     train.make_train_step(
       model,
       tx,
-      schedule,
+      learning_rate_fn,
       mesh,
       num_classes=NUM_CLASSES,
       label_smoothing=CONFIG.label_smoothing,

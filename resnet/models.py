@@ -8,13 +8,16 @@ float32 kernels to ``dtype`` inside each layer, so optimizer state stays float32
 The last batch norm of each residual branch starts with scale 0, so every block begins as
 the identity; this is what lets very large batches train from step 0 (Goyal et al. 2017).
 
-Batch norm statistics are averaged over ``bn_group_size`` consecutive replicas of
-``axis_name`` (the paper's distributed batch norm), so the model must be applied inside a
-``jax.shard_map`` that binds ``axis_name`` whenever ``train=True``.
+The normalisation layer is the ``norm`` field: ``torus_collectives.nn.BatchNorm`` by
+default, whose statistics are averaged over ``bn_group_size`` consecutive replicas of
+``axis_name`` (the paper's distributed batch norm); any module with flax.linen.BatchNorm's
+fields fits (``flax.linen.BatchNorm`` itself, with ``bn_group_size=None``, is the usual
+whole-axis baseline). With ``axis_name`` set, the model must be applied inside a
+``jax.shard_map`` that binds it whenever ``train=True``.
 """
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -78,12 +81,12 @@ class ResNet(nn.Module):
   num_filters: int = 64
   dtype: jnp.dtype = jnp.bfloat16
   axis_name: str | tuple[str, ...] | None = None
+  # A flax.linen.BatchNorm-like module class (or partial). ``bn_group_size``, when set,
+  # reaches it as ``group_size``; None leaves the norm's default (all of axis_name).
+  norm: Callable[..., nn.Module] = tc_nn.BatchNorm
   bn_group_size: int | None = None
   bn_momentum: float = 0.9
   bn_epsilon: float = 1e-5
-  # 'flax' swaps in flax.linen.BatchNorm (always over all of axis_name): the usual
-  # approach, kept as the baseline the benchmarks compare against.
-  batch_norm: str = 'torus_collectives'
 
   @nn.compact
   def __call__(self, x, *, train: bool):
@@ -94,14 +97,14 @@ class ResNet(nn.Module):
       kernel_init=nn.initializers.variance_scaling(2.0, 'fan_out', 'normal'),
     )
     norm = functools.partial(
-      tc_nn.BatchNorm if self.batch_norm == 'torus_collectives' else nn.BatchNorm,
+      self.norm,
       use_running_average=not train,
       momentum=self.bn_momentum,
       epsilon=self.bn_epsilon,
       dtype=self.dtype,
       axis_name=self.axis_name if train else None,
     )
-    if self.batch_norm == 'torus_collectives':
+    if self.bn_group_size is not None:  # evaluation normalises with no cross-replica group
       norm = functools.partial(norm, group_size=self.bn_group_size if train else None)
     x = conv(self.num_filters, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], name='stem_conv')(
       x.astype(self.dtype)
@@ -117,7 +120,7 @@ class ResNet(nn.Module):
     return x.astype(jnp.float32)
 
 
-_ARCHITECTURES = {
+ARCHITECTURES = {
   'resnet18': dict(stage_sizes=(2, 2, 2, 2), block_cls=BasicBlock),
   'resnet34': dict(stage_sizes=(3, 4, 6, 3), block_cls=BasicBlock),
   'resnet50': dict(stage_sizes=(3, 4, 6, 3), block_cls=BottleneckBlock),
@@ -129,6 +132,6 @@ _ARCHITECTURES = {
 
 def create_model(name: str, **kwargs) -> ResNet:
   """Builds the named architecture; ``kwargs`` are the remaining ResNet fields."""
-  if name not in _ARCHITECTURES:
-    raise ValueError(f'Unknown model {name=}; choose one of {sorted(_ARCHITECTURES)}.')
-  return ResNet(**_ARCHITECTURES[name], **kwargs)
+  if name not in ARCHITECTURES:
+    raise ValueError(f'Unknown model {name=}; choose one of {sorted(ARCHITECTURES)}.')
+  return ResNet(**ARCHITECTURES[name], **kwargs)

@@ -49,7 +49,7 @@ def kernel_mask(params) -> dict:
 
 
 def lars(
-  schedule: optax.Schedule,
+  learning_rate_fn: optax.Schedule,
   *,
   weight_decay: float,
   momentum: float,
@@ -59,7 +59,7 @@ def lars(
 ) -> optax.GradientTransformation:
   """LARS; ``axis_name`` when it runs on shards inside ``tc.sharded_update`` over it."""
   return tc.lars(
-    schedule,
+    learning_rate_fn,
     weight_decay=weight_decay,
     weight_decay_mask=kernel_mask,
     trust_coefficient=trust_coefficient,
@@ -71,13 +71,13 @@ def lars(
 
 
 def create_optimizer(
-  config: ml_collections.ConfigDict, schedule: optax.Schedule, axes: tuple[str, ...]
+  config: ml_collections.ConfigDict, learning_rate_fn: optax.Schedule, axes: tuple[str, ...]
 ) -> tuple[optax.GradientTransformation, P]:
   """The config's LARS and the ``shard_map`` spec of its state over the mesh ``axes``:
   replicated, or, with ``config.weight_update_sharding``, split over every device."""
   sharded = config.weight_update_sharding
   tx = lars(
-    schedule,
+    learning_rate_fn,
     weight_decay=config.weight_decay,
     momentum=config.momentum,
     trust_coefficient=config.lars_trust_coefficient,

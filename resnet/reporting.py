@@ -2,8 +2,10 @@
 
 Scalars go through the low-level ``tf.summary.write`` tagged for TensorBoard's scalars
 plugin, so writing them needs only TensorFlow, not the tensorboard package. Only process 0
-writes. ``metrics.jsonl`` is appended across restarts, so the final plot
-covers a resumed run from its first step.
+writes. ``metrics.jsonl`` is appended across restarts, so the final plot covers a resumed
+run from its first step; a run resumed at step k first drops the rows after k (the steps
+it repeats), so the file holds one row per step after any number of resumes. TensorBoard
+sorts out repeated steps itself (it discards the superseded events).
 """
 
 import json
@@ -20,10 +22,15 @@ _SCALAR = tf.compat.v1.SummaryMetadata(
 class MetricWriter:
   """Writes scalars to TensorBoard and to ``<workdir>/metrics.jsonl``."""
 
-  def __init__(self, workdir: str | pathlib.Path):
+  def __init__(self, workdir: str | pathlib.Path, start_step: int = 0):
     self._enabled = jax.process_index() == 0
     self._path = pathlib.Path(workdir) / 'metrics.jsonl'
     self._tb = tf.summary.create_file_writer(str(workdir)) if self._enabled else None
+    if self._enabled and self._path.exists():
+      kept = [r for r in read_metrics(workdir) if r['step'] <= start_step]
+      tmp = self._path.with_suffix('.tmp')
+      tmp.write_text(''.join(json.dumps(r) + '\n' for r in kept))
+      tmp.rename(self._path)
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
     if not self._enabled:
@@ -37,8 +44,15 @@ class MetricWriter:
 
 
 def read_metrics(workdir: str | pathlib.Path) -> list[dict[str, float]]:
+  """The rows of ``metrics.jsonl``, without a last line cut short by a killed run."""
   path = pathlib.Path(workdir) / 'metrics.jsonl'
-  return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+  rows = []
+  for line in path.read_text().splitlines() if path.exists() else []:
+    try:
+      rows.append(json.loads(line))
+    except ValueError:
+      continue
+  return rows
 
 
 def plot_curves(workdir: str | pathlib.Path) -> pathlib.Path | None:

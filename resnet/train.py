@@ -2,17 +2,27 @@
 
 Every device of a 2-D torus mesh holds a replica of the train state and a slice of the
 global batch. One step is ``jax.jit`` of a ``jax.shard_map`` body that:
-  1. runs the model with batch norm statistics averaged over ``bn_group_size`` replicas,
+  1. runs the model with batch norm statistics averaged over a group of replicas,
   2. sums gradients over the whole torus with ``tc.all_reduce_gradients`` (2-D torus
      reduce-scatter / all-gather where the platform has it, lax elsewhere),
   3. applies LARS, and averages the moving BN statistics so the state stays replicated.
 With ``weight_update_sharding``, steps 2-3 become ``tc.sharded_update``: reduce-scatter,
 LARS on each device's 1/p of the weights (its state stored split over the devices),
-all-gather of the new weights.
+all-gather of the new weights. With ``tune``, the gradient summation and batch norms of
+the model are timed on the mesh first, so that "auto" runs what is fastest there.
 
-Around it: orbax checkpoints every N steps and on SIGTERM/SIGINT with automatic resume,
-a stop with the last good checkpoint kept when the loss or gradient turns non-finite,
-periodic top-1/top-5 evaluation, TensorBoard scalars, a progress bar, and a PNG plot.
+Around it: the config validated before anything is built; orbax checkpoints every N
+steps with content digests, and a resume from the newest one that verifies (see
+``checkpoints``); SIGTERM/SIGINT on any process makes every process save the same step and
+exit, and a silent peer is named within half the heartbeat timeout (see ``faults``); a
+stop without saving when the loss or gradient turns non-finite; periodic top-1/top-5
+evaluation; TensorBoard scalars and ``metrics.jsonl``, one row per step across resumes; a
+progress bar; and a PNG plot.
+
+As in flax's examples/imagenet, each piece is its own function (``create_model``,
+``create_learning_rate_fn``, ``optim.create_optimizer``, ``make_init_fn``, ``make_train_step``,
+``make_eval_step``, ``evaluate``, ``restore_or_create_state``) and
+``train_and_evaluate(config, workdir)`` composes them.
 """
 
 import functools
@@ -21,15 +31,15 @@ import math
 import pathlib
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
-import orbax.checkpoint as ocp
 import tqdm
 from absl import logging
 from jax import lax
@@ -37,7 +47,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
-from resnet import data_sources, input_pipeline, models, optim, reporting
+from resnet import (
+  checkpoints,
+  data_sources,
+  faults,
+  input_pipeline,
+  models,
+  optim,
+  reporting,
+  tuning,
+  validation,
+)
+from torus_collectives.topology import most_square_shape
 
 
 @flax.struct.dataclass
@@ -53,13 +74,7 @@ def state_specs(opt_state_spec: P) -> TrainState:
   return TrainState(step=P(), params=P(), batch_stats=P(), opt_state=opt_state_spec)
 
 
-def torus_shape(num_devices: int) -> tuple[int, int]:
-  """The most square X x Y factorisation with X <= Y."""
-  x = max(d for d in range(1, math.isqrt(num_devices) + 1) if num_devices % d == 0)
-  return x, num_devices // x
-
-
-def bn_group_size(span_examples: int, per_replica_batch: int, num_replicas: int) -> int:
+def replicas_per_bn_group(span_examples: int, per_replica_batch: int, num_replicas: int) -> int:
   """Replicas per BN group: the largest divisor of the replica count whose group holds at
   most ``span_examples`` examples (at least one replica)."""
   return max(
@@ -80,7 +95,7 @@ def _train_step(
   *,
   model,
   tx,
-  schedule,
+  learning_rate_fn,
   axes,
   num_classes,
   label_smoothing,
@@ -98,7 +113,12 @@ def _train_step(
     loss = _cross_entropy(logits, batch['label'], num_classes, label_smoothing).mean()
     return loss, (logits, updates['batch_stats'])
 
-  (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  # Differentiate with respect to a per-replica (varying) copy of the replicated parameters:
+  # otherwise, under shard_map's varying-axes typing, the transpose of their implicit
+  # broadcast already sums the gradient over the mesh, and averaging it again would train
+  # on the sum of the replicas' gradients instead of their mean.
+  per_replica = lax.pcast(state.params, axes, to='varying')
+  (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(per_replica)
   if average_gradients is None:  # weight-update sharding: tx reduce-scatters them itself
     params, opt_state = tx.apply_gradients(grads, state.opt_state, state.params)
     # The mean gradient exists only as shards: log the replicas' RMS gradient norm, an
@@ -119,15 +139,17 @@ def _train_step(
     'train_loss': lax.pmean(loss, axes),
     'train_accuracy': lax.pmean(jnp.mean(jnp.argmax(logits, -1) == batch['label']), axes),
     'grad_norm': grad_norm,
-    'learning_rate': schedule(state.step),
+    'learning_rate': learning_rate_fn(state.step),
   }
+  if 'stop' in batch:  # one more scalar in the step's own collectives: the stop agreement
+    metrics['stop'] = lax.pmax(jnp.max(batch['stop']), axes)
   return new_state, metrics
 
 
 def make_train_step(
-  model,
-  tx,
-  schedule,
+  model: nn.Module,
+  tx: optax.GradientTransformation,
+  learning_rate_fn: optax.Schedule,
   mesh: jax.sharding.Mesh,
   *,
   num_classes: int,
@@ -141,14 +163,16 @@ def make_train_step(
   axes)`` averages the per-device gradients over the mesh (``tc.all_reduce_gradients`` in
   training; a benchmark may pass ``lax.pmean``); ``None`` when ``tx`` is a
   ``tc.sharded_update``, which averages them itself and keeps its state split as
-  ``opt_state_spec`` says (default: replicated). The result is not jitted, so the caller
-  chooses whether to donate the state.
+  ``opt_state_spec`` says (default: replicated). A batch may carry ``'stop'``, one int32
+  per device (see ``faults.StopRequest``); ``metrics['stop']`` is then its maximum over
+  the mesh, the same on every process. The result is not jitted, so the caller chooses
+  whether to donate the state.
   """
   body = functools.partial(
     _train_step,
     model=model,
     tx=tx,
-    schedule=schedule,
+    learning_rate_fn=learning_rate_fn,
     axes=mesh.axis_names,
     num_classes=num_classes,
     label_smoothing=label_smoothing,
@@ -176,36 +200,195 @@ def _eval_step(state: TrainState, batch, *, model, axes):
   )
 
 
-class _StopRequest:
-  """Turns SIGTERM/SIGINT into a flag the loop polls, so it can checkpoint and exit."""
+def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh, state_spec: TrainState) -> Callable:
+  """Jitted ``(state, batch) -> {'top1', 'top5', 'count'}`` summed over the whole mesh; the
+  state comes in as ``state_spec`` says (a sharded optimizer state is not gathered)."""
+  return jax.jit(
+    jax.shard_map(
+      functools.partial(_eval_step, model=model, axes=mesh.axis_names),
+      mesh=mesh,
+      in_specs=(state_spec, P(mesh.axis_names)),
+      out_specs=P(),
+    )
+  )
 
-  def __init__(self):
-    self.signal = None
-    self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
-  def _handle(self, signum, frame):
-    del frame
-    self.signal = signal.Signals(signum).name
+def evaluate(
+  eval_step: Callable,
+  state: TrainState,
+  batches: Iterable[dict[str, jax.Array]],
+  num_examples: int,
+) -> dict[str, float]:
+  """Top-1 and top-5 accuracy of ``state`` over every real example of ``batches``, and
+  how many of the split's ``num_examples`` images could not be decoded (the pipeline
+  drops those, so they are the ones that never arrived)."""
+  totals = {'top1': 0, 'top5': 0, 'count': 0}
+  for batch in batches:
+    for k, v in eval_step(state, batch).items():
+      totals[k] += int(v)
+  if not totals['count']:
+    raise ValueError(f'None of the {num_examples} evaluation images could be decoded.')
+  return {
+    'eval_top1': totals['top1'] / totals['count'],
+    'eval_top5': totals['top5'] / totals['count'],
+    'eval_skipped_images': num_examples - totals['count'],
+  }
 
-  def restore(self):
-    for s, handler in self._previous.items():
-      signal.signal(s, handler)
+
+def bn_group_size(config: ml_collections.ConfigDict, num_replicas: int) -> int:
+  """Replicas per batch-norm group: ``config.bn_group_size``, or (0) as many as hold
+  ``config.bn_span_examples`` examples."""
+  return config.bn_group_size or replicas_per_bn_group(
+    config.bn_span_examples, config.global_batch_size // num_replicas, num_replicas
+  )
+
+
+def create_model(
+  config: ml_collections.ConfigDict, num_classes: int, mesh: jax.sharding.Mesh
+) -> models.ResNet:
+  """The configured ResNet, with batch norm over ``bn_group_size(config, ...)`` replicas."""
+  group = bn_group_size(config, mesh.devices.size)
+  return models.create_model(
+    config.model,
+    num_classes=num_classes,
+    dtype=jnp.dtype(config.dtype),
+    axis_name=mesh.axis_names,
+    bn_group_size=group,
+    bn_momentum=config.bn_momentum,
+  )
+
+
+def create_learning_rate_fn(
+  config: ml_collections.ConfigDict, steps_per_epoch: int, total_steps: int
+) -> optax.Schedule:
+  warmup_steps = round(config.warmup_epochs * steps_per_epoch)
+  if warmup_steps >= total_steps:
+    raise ValueError(
+      f'config.warmup_epochs={config.warmup_epochs} is {warmup_steps} steps; it must be '
+      f'shorter than the {total_steps} training steps, i.e. below '
+      f'{total_steps / steps_per_epoch:.3g} epochs at {steps_per_epoch} steps per epoch.'
+    )
+  return optim.learning_rate_schedule(
+    base_learning_rate=config.base_learning_rate,
+    global_batch=config.global_batch_size,
+    warmup_steps=warmup_steps,
+    total_steps=total_steps,
+    end_learning_rate=config.end_learning_rate,
+    power=config.lr_decay_power,
+  )
+
+
+def make_init_fn(
+  model: nn.Module,
+  tx: optax.GradientTransformation,
+  image_size: int,
+  mesh: jax.sharding.Mesh,
+  opt_state_spec: P,
+) -> Callable[[jax.Array], TrainState]:
+  """Jitted ``key -> TrainState`` at step 0.
+
+  It runs on one device and the result is replicated afterwards (a sharded optimizer state
+  is made by its own ``shard_map`` from the replicated parameters): partitioning the random
+  initialisers over every device only costs compile time.
+  """
+
+  @jax.jit
+  def init(key):
+    variables = model.init(key, jnp.zeros((1, image_size, image_size, 3), model.dtype), train=False)
+    return TrainState(
+      step=jnp.zeros((), jnp.int32),
+      params=variables['params'],
+      batch_stats=variables['batch_stats'],
+      opt_state=jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=opt_state_spec)(
+        variables['params']
+      ),
+    )
+
+  return init
+
+
+def restore_or_create_state(
+  store: checkpoints.VerifiedCheckpoints,
+  init_fn: Callable[[jax.Array], TrainState],
+  key: jax.Array,
+  sharding: TrainState,
+) -> TrainState:
+  """The newest intact checkpoint if there is one (read straight into ``sharding``, a
+  sharding per state field; nothing is initialised just to be overwritten), else a fresh
+  state."""
+  abstract = jax.tree.map(
+    lambda field_sharding, field: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=field_sharding), field
+    ),
+    sharding,
+    jax.eval_shape(init_fn, key),
+  )
+  state = store.restore_newest_intact(abstract)
+  if state is None:
+    return jax.device_put(init_fn(key), sharding)
+  logging.warning('Resumed from the verified step %d in %s', int(state.step), store.directory)
+  return state
+
+
+class ThroughputMeter:
+  """Training images per second over the steps since the last ``restart``.
+
+  The loop restarts it after compilation, evaluation and checkpointing, so that only
+  training steps are timed; ``rate`` keeps the last measurement when nothing was timed.
+  """
+
+  def __init__(self, global_batch_size: int):
+    self._batch = global_batch_size
+    self.rate = 0.0
+    self.restart()
+
+  def restart(self) -> None:
+    self._start, self._steps = time.time(), 0
+
+  def count_step(self) -> None:
+    self._steps += 1
+
+  def measure(self) -> float:
+    if self._steps:
+      self.rate = self._steps * self._batch / (time.time() - self._start)
+    return self.rate
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-  """Trains (resuming from ``workdir``'s latest checkpoint) and returns final metrics."""
-  start_time = time.time()
+  """Trains (resuming from ``workdir``'s newest intact checkpoint) and returns final metrics.
+
+  Raises:
+    ValueError: for an invalid config, before anything is built.
+    FloatingPointError: when the training metrics turn non-finite (nothing is saved).
+  """
+  validation.validate_config(config, num_devices=jax.device_count())
   workdir = pathlib.Path(workdir).absolute()
   workdir.mkdir(parents=True, exist_ok=True)
+  store = checkpoints.VerifiedCheckpoints(workdir)
+  # Both from the start: a signal or a dead peer during setup or compilation counts too.
+  stop = faults.StopRequest(config.stop_timeout_seconds, store.describe_latest)
+  watchdog = faults.PeerWatchdog(config.heartbeat_timeout_seconds / 2, store.describe_latest)
+  finished = False
+  try:
+    summary = _train_and_evaluate(config, workdir, store, stop)
+    finished = True
+  finally:
+    watchdog.close(finished=finished)
+    stop.close()
+    store.close()
+  return summary
+
+
+def _train_and_evaluate(
+  config: ml_collections.ConfigDict,
+  workdir: pathlib.Path,
+  store: checkpoints.VerifiedCheckpoints,
+  stop: faults.StopRequest,
+) -> dict[str, float]:
+  start_time = time.time()
   num_devices, num_processes = jax.device_count(), jax.process_count()
-  if config.global_batch_size % num_devices or config.eval_batch_size % num_devices:
-    raise ValueError(
-      f'{config.global_batch_size=} and {config.eval_batch_size=} must be '
-      f'multiples of the {num_devices} devices.'
-    )
-  mesh = tc.make_torus_mesh(tuple(config.mesh_shape) or torus_shape(num_devices))
-  axes = mesh.axis_names
-  data_sharding = NamedSharding(mesh, P(axes))
+  mesh = tc.make_torus_mesh(tuple(config.mesh_shape) or most_square_shape(num_devices))
+  data_sharding = NamedSharding(mesh, P(mesh.axis_names))
   local_batch = config.global_batch_size // num_processes
   local_eval_batch = config.eval_batch_size // num_processes
 
@@ -217,6 +400,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     config.dataset, config.data_dir, config.eval_split, block=local_eval_batch, **split_args
   )
   steps_per_epoch = train_split.total_examples // config.global_batch_size
+  if not steps_per_epoch:
+    raise ValueError(
+      f'config.global_batch_size={config.global_batch_size} must be at most the '
+      f'{train_split.total_examples} training examples of {config.dataset!r}.'
+    )
   total_steps = (
     config.num_train_steps
     if config.num_train_steps > 0
@@ -224,53 +412,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   )
   eval_every = max(1, round(config.eval_every_epochs * steps_per_epoch))
 
-  per_replica = config.global_batch_size // num_devices
-  group = (
-    config.bn_group_size
-    if config.bn_group_size > 0
-    else bn_group_size(config.bn_span_examples, per_replica, num_devices)
-  )
-  model = models.create_model(
-    config.model,
-    num_classes=train_split.num_classes,
-    dtype=jnp.dtype(config.dtype),
-    axis_name=axes,
-    bn_group_size=group,
-    bn_momentum=config.bn_momentum,
-  )
-  schedule = optim.learning_rate_schedule(
-    base_learning_rate=config.base_learning_rate,
-    global_batch=config.global_batch_size,
-    warmup_steps=round(config.warmup_epochs * steps_per_epoch),
-    total_steps=total_steps,
-    end_learning_rate=config.end_learning_rate,
-    power=config.lr_decay_power,
-  )
-  tx, opt_state_spec = optim.create_optimizer(config, schedule, axes)
+  model = create_model(config, train_split.num_classes, mesh)
+  learning_rate_fn = create_learning_rate_fn(config, steps_per_epoch, total_steps)
+  tx, opt_state_spec = optim.create_optimizer(config, learning_rate_fn, mesh.axis_names)
   state_spec = state_specs(opt_state_spec)
   state_sharding = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_spec)
-
-  # Initialised on one device and then replicated (a sharded optimizer state is made by
-  # its shard_map from the replicated parameters): partitioning the random initialisers
-  # over every device only costs compile time.
-  @jax.jit
-  def init(key):
-    shape = (1, config.image_size, config.image_size, 3)
-    variables = model.init(key, jnp.zeros(shape, model.dtype), train=False)
-    return TrainState(
-      step=jnp.zeros((), jnp.int32),
-      params=variables['params'],
-      batch_stats=variables['batch_stats'],
-      opt_state=jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=opt_state_spec)(
-        variables['params']
-      ),
+  init_fn = make_init_fn(model, tx, config.image_size, mesh, opt_state_spec)
+  # rbg: XLA's RngBitGenerator compiles far faster than threefry for large inits.
+  key = jax.random.key(config.seed, impl='rbg')
+  if config.tune:
+    tuning.tune_model(
+      model,
+      jax.eval_shape(init_fn, key),
+      mesh,
+      per_replica_batch=config.global_batch_size // num_devices,
+      image_size=config.image_size,
+      bn_group_size=bn_group_size(config, num_devices),
     )
-
   train_step = jax.jit(
     make_train_step(
       model,
       tx,
-      schedule,
+      learning_rate_fn,
       mesh,
       num_classes=train_split.num_classes,
       label_smoothing=config.label_smoothing,
@@ -281,32 +444,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     ),
     donate_argnums=0,
   )
-  eval_step = jax.jit(
-    jax.shard_map(
-      functools.partial(_eval_step, model=model, axes=axes),
-      mesh=mesh,
-      in_specs=(state_spec, P(axes)),
-      out_specs=P(),
-    )
-  )
-
-  checkpoints = ocp.CheckpointManager(
-    workdir / 'checkpoints', options=ocp.CheckpointManagerOptions(max_to_keep=2)
-  )
-  # rbg: XLA's RngBitGenerator compiles far faster than threefry for large inits.
-  key = jax.random.key(config.seed, impl='rbg')
-  if checkpoints.latest_step() is None:
-    state = jax.device_put(init(key), state_sharding)
-  else:  # shapes only: nothing is initialised just to be overwritten
-    abstract = jax.tree.map(
-      lambda sharding, part: jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), part
-      ),
-      state_sharding,
-      jax.eval_shape(init, key),
-    )
-    state = checkpoints.restore(checkpoints.latest_step(), args=ocp.args.StandardRestore(abstract))
-    logging.warning('Resumed from step %d in %s', int(state.step), checkpoints.directory)
+  eval_step = make_eval_step(model, mesh, state_spec)
+  state = restore_or_create_state(store, init_fn, key, state_sharding)
   start_step = int(state.step)
 
   preprocessing = input_pipeline.Preprocessing(
@@ -336,21 +475,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     cache=config.cache,
   )
 
-  def evaluate() -> dict[str, float]:
-    totals = {'top1': 0, 'top5': 0, 'count': 0}
+  def run_evaluation():
     batches = input_pipeline.device_prefetch(
       eval_data.as_numpy_iterator(), data_sharding, host_keys=()
     )
-    for batch, _ in itertools.islice(batches, eval_steps):
-      for k, v in eval_step(state, batch).items():
-        totals[k] += int(v)
-    return {
-      'eval_top1': totals['top1'] / totals['count'],
-      'eval_top5': totals['top5'] / totals['count'],
-    }
+    return evaluate(
+      eval_step,
+      state,
+      (batch for batch, _ in itertools.islice(batches, eval_steps)),
+      eval_split.total_examples,
+    )
 
-  writer = reporting.MetricWriter(workdir)
-  stop = _StopRequest()
+  writer = reporting.MetricWriter(workdir, start_step)
   progress = tqdm.tqdm(
     total=total_steps,
     initial=start_step,
@@ -358,71 +494,73 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     disable=jax.process_index() != 0,
     dynamic_ncols=True,
   )
-  last_good = checkpoints.latest_step()
-  images_per_second, eval_metrics, evaluated_at = 0.0, {}, None
-  skipped = reported_skipped = 0
-  window_start, window_steps = time.time(), 0
+  throughput = ThroughputMeter(config.global_batch_size)
+  eval_metrics, evaluated_at = {}, None
+  skipped = reported_skipped = reported_eval_skipped = 0
+  previous_stop = None  # the previous step's agreed stop code, still on its way to the host
   try:
     for step in range(start_step + 1, total_steps + 1):
       batch, host = next(train_batches)
-      state, metrics = train_step(state, batch)
-      window_steps += 1
+      state, metrics = train_step(state, dict(batch, stop=stop.device_flags(data_sharding)))
+      agreed_stop = metrics.pop('stop')
+      agreed_stop.copy_to_host_async()
+      throughput.count_step()
       if step == start_step + 1:  # keep compilation out of the throughput
         jax.block_until_ready(state)
-        window_start, window_steps = time.time(), 0
+        throughput.restart()
+      # Reading the previous step's agreement keeps one step in flight; every process reads
+      # the same value here, so all stop after this same step.
+      stop_code = 0 if previous_stop is None else int(previous_stop)
+      previous_stop = agreed_stop
       skipped = max(skipped, int(host['skipped'].max()))
       log_now = step % config.log_every_steps == 0 or step == total_steps
-      stopping = stop.signal is not None  # read once: a signal may land mid-iteration
-      checkpoint_now = step % config.checkpoint_every_steps == 0 or step == total_steps or stopping
+      checkpoint_now = step % config.checkpoint_every_steps == 0 or step == total_steps or stop_code
       if not (log_now or checkpoint_now or step % eval_every == 0):
         continue
       scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
       if not all(map(math.isfinite, scalars.values())):
         raise FloatingPointError(
-          f'Non-finite training metrics at step {step}: {scalars}. Stopped without '
-          f'saving; the last good checkpoint (step {last_good}) is kept in '
-          f'{checkpoints.directory}. Lower base_learning_rate or raise warmup_epochs.'
+          f'Non-finite training metrics at step {step}: {scalars}. Stopped without saving; '
+          f'the newest checkpoint is {store.describe_latest()}.'
         )
-      if window_steps:
-        images_per_second = window_steps * config.global_batch_size / (time.time() - window_start)
-      scalars.update(images_per_second=images_per_second, skipped_images=skipped)
+      scalars.update(images_per_second=throughput.measure(), skipped_images=skipped)
       if step % eval_every == 0 or step == total_steps:
-        eval_metrics, evaluated_at = evaluate(), step
+        eval_metrics, evaluated_at = run_evaluation(), step
         scalars.update(eval_metrics)
       writer.write(step, scalars)
       progress.set_postfix(
-        loss=f"{scalars['train_loss']:.3f}", img_s=f'{images_per_second:.1f}', refresh=False
+        loss=f"{scalars['train_loss']:.3f}", img_s=f'{throughput.rate:.1f}', refresh=False
       )
       progress.update(step - progress.n)
       if skipped > reported_skipped:
         logging.warning('Skipped %d unreadable training images so far.', skipped)
         reported_skipped = skipped
+      if eval_metrics.get('eval_skipped_images', 0) > reported_eval_skipped:
+        reported_eval_skipped = eval_metrics['eval_skipped_images']
+        logging.warning('Skipped %d unreadable evaluation images.', reported_eval_skipped)
       if checkpoint_now:
-        checkpoints.save(step, args=ocp.args.StandardSave(state))
-        last_good = step
-      window_start, window_steps = time.time(), 0  # evaluation and saving not counted
-      if stopping:
-        checkpoints.wait_until_finished()
+        store.save(step, state)
+      throughput.restart()  # evaluation and saving are not counted
+      if stop_code:
+        stop.saved()
         logging.warning(
-          '%s: saved step %d to %s; rerun the same command to resume.',
-          stop.signal,
+          'Stopped for %s (received by %s): saved step %d to %s; rerun the same command to resume.',
+          signal.Signals(stop_code).name,
+          'this process' if stop.code else 'another process',
           step,
-          checkpoints.directory,
+          store.directory,
         )
         break
   finally:
-    checkpoints.wait_until_finished()
-    checkpoints.close()
     progress.close()
-    stop.restore()
 
   if evaluated_at != int(state.step):  # stopped by a signal, or resumed at the end
-    eval_metrics = evaluate()
+    eval_metrics = run_evaluation()
   wall = time.time() - start_time
   plot = reporting.plot_curves(workdir)
   summary = {
     **eval_metrics,
-    'images_per_second': images_per_second,
+    'images_per_second': throughput.rate,
     'wall_seconds': wall,
     'step': int(state.step),
     'skipped_images': skipped,
@@ -431,6 +569,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     print(
       f"{config.model} on {config.dataset}: top-1 {eval_metrics['eval_top1']:.2%}, "
       f"top-5 {eval_metrics['eval_top5']:.2%} after {int(state.step)} steps; "
-      f'{images_per_second:.1f} images/s; wall time {wall:.0f} s; curves in {plot}'
+      f'{throughput.rate:.1f} images/s; wall time {wall:.0f} s; curves in {plot}'
     )
   return summary

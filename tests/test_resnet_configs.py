@@ -4,6 +4,7 @@ import pytest
 
 from resnet import train
 from resnet.configs import default, imagenet, pod
+from torus_collectives.topology import most_square_shape
 
 
 @pytest.mark.parametrize(
@@ -19,22 +20,22 @@ def test_pod_config_is_a_32x32_torus_with_bn_over_64_examples():
   config = pod.get_config()
   assert tuple(config.mesh_shape) == (32, 32)
   per_device = config.global_batch_size // 1024
-  assert train.bn_group_size(config.bn_span_examples, per_device, 1024) * per_device == 64
+  assert train.replicas_per_bn_group(config.bn_span_examples, per_device, 1024) * per_device == 64
 
 
 @pytest.mark.parametrize(
   'span, per_replica, replicas, group',
   [(64, 8, 8, 8), (64, 16, 8, 4), (64, 32, 1024, 2), (64, 128, 8, 1), (64, 12, 6, 3)],
 )
-def test_bn_group_size(span, per_replica, replicas, group):
-  assert train.bn_group_size(span, per_replica, replicas) == group
+def test_replicas_per_bn_group(span, per_replica, replicas, group):
+  assert train.replicas_per_bn_group(span, per_replica, replicas) == group
 
 
 @pytest.mark.parametrize(
   'devices, shape', [(8, (2, 4)), (1024, (32, 32)), (6, (2, 3)), (7, (1, 7))]
 )
-def test_torus_shape_is_most_square(devices, shape):
-  assert train.torus_shape(devices) == shape
+def test_default_torus_shape_is_most_square(devices, shape):
+  assert most_square_shape(devices) == shape
 
 
 def test_default_runs_digits_on_a_2x4_torus():

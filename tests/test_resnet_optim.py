@@ -54,8 +54,8 @@ def test_lars_scales_kernels_and_leaves_bn_and_biases_to_plain_sgd():
     np.testing.assert_allclose(updates[name]['kernel'], expected, rtol=1e-5)
 
 
-def test_schedule_warms_up_linearly_then_decays_to_the_end_rate():
-  schedule = optim.learning_rate_schedule(
+def test_learning_rate_warms_up_linearly_then_decays_to_the_end_rate():
+  learning_rate_fn = optim.learning_rate_schedule(
     base_learning_rate=2.0,
     global_batch=512,
     warmup_steps=10,
@@ -63,9 +63,11 @@ def test_schedule_warms_up_linearly_then_decays_to_the_end_rate():
     end_learning_rate=0.01,
     power=2.0,
   )
-  np.testing.assert_allclose([schedule(0), schedule(5), schedule(10)], [0.0, 2.0, 4.0])
-  np.testing.assert_allclose(schedule(20), 0.01 + (4.0 - 0.01) * 0.25, rtol=1e-6)
-  np.testing.assert_allclose(schedule(30), 0.01, rtol=1e-6)
+  np.testing.assert_allclose(
+    [learning_rate_fn(0), learning_rate_fn(5), learning_rate_fn(10)], [0.0, 2.0, 4.0]
+  )
+  np.testing.assert_allclose(learning_rate_fn(20), 0.01 + (4.0 - 0.01) * 0.25, rtol=1e-6)
+  np.testing.assert_allclose(learning_rate_fn(30), 0.01, rtol=1e-6)
 
 
 def test_weight_update_sharding_is_on_at_scale_and_off_for_digits():
@@ -83,7 +85,7 @@ def test_weight_update_sharding_matches_replicated_lars_in_the_train_step():
   model = models.create_model(
     'resnet_tiny', num_classes=10, dtype=jnp.float32, axis_name=axes, bn_group_size=8
   )
-  schedule = optax.constant_schedule(0.5)
+  learning_rate_fn = optax.constant_schedule(0.5)
   rng = np.random.default_rng(0)
   batch = jax.device_put(
     {
@@ -97,7 +99,7 @@ def test_weight_update_sharding_matches_replicated_lars_in_the_train_step():
   for sharded in (False, True):
     config = default.get_config()
     config.weight_update_sharding = sharded
-    tx, spec = optim.create_optimizer(config, schedule, axes)
+    tx, spec = optim.create_optimizer(config, learning_rate_fn, axes)
     init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=spec))
     state = train.TrainState(
       step=jnp.zeros((), jnp.int32),
@@ -110,7 +112,7 @@ def test_weight_update_sharding_matches_replicated_lars_in_the_train_step():
       train.make_train_step(
         model,
         tx,
-        schedule,
+        learning_rate_fn,
         mesh,
         num_classes=10,
         label_smoothing=0.1,

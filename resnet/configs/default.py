@@ -71,4 +71,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.log_every_steps = 2
   c.eval_every_epochs = 1.0
   c.checkpoint_every_steps = 25
+
+  # Faults. Multi-process runs: the coordination service counts a process dead after this
+  # many seconds without a heartbeat, and each process names a silent peer after half of
+  # it. After SIGTERM/SIGINT, a process gives up on saving after stop_timeout_seconds.
+  c.heartbeat_timeout_seconds = 30
+  c.stop_timeout_seconds = 120.0
   return c
