@@ -125,8 +125,11 @@ def plot_throughput(benchmarks: list[dict], path: pathlib.Path) -> bool:
   fig, axes = plt.subplots(1, len(groups), squeeze=False, figsize=(4.5 * len(groups), 3.5))
   for ax, (group, variants) in zip(axes[0], sorted(groups.items())):
     names = sorted(variants)
-    ax.bar(names, [variants[n][0] for n in names])
+    values = [variants[n][0] for n in names]
+    ax.bar(names, values)
     ax.set(title="\n".join(textwrap.wrap(group, 36)), ylabel=variants[names[0]][1])
+    if max(values) > 20 * min(values):  # e.g. the input pipeline beside the train step
+      ax.set_yscale("log")
     ax.tick_params(axis="x", rotation=20)
   fig.suptitle("Measured on CPU (shared machine)")
   fig.tight_layout()
