@@ -7,16 +7,15 @@ and a hash of the compiled "auto" program; the test checks that they agree.
 
 import hashlib
 import json
-import os
 import sys
 
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import multiprocess_setup  # first: it sets the device count before jax loads
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+# isort: split
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 MiB = 2**20
 # Seconds per call as each process would measure them: they disagree on every case.
@@ -27,13 +26,7 @@ VERDICTS = {
 
 
 def main(port: int, process_id: int) -> None:
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(
-    coordinator_address=f"127.0.0.1:{port}",
-    num_processes=2,
-    process_id=process_id,
-    initialization_timeout=120,
-  )
+  multiprocess_setup.join(port, process_id)
   import torus_collectives as tc
   from torus_collectives import tune
 

@@ -4,27 +4,20 @@ Each process owns 4 simulated CPU devices; together they form a 2x4 torus over w
 torus collectives (shard_map implementation) must equal lax's results on the same data.
 """
 
-import os
 import sys
 
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import multiprocess_setup  # first: it sets the device count before jax loads
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
+# isort: split
+import jax
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
 def main(port: int, process_id: int) -> None:
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(
-    coordinator_address=f"127.0.0.1:{port}",
-    num_processes=2,
-    process_id=process_id,
-    initialization_timeout=120,
-  )
+  multiprocess_setup.join(port, process_id)
   import torus_collectives as tc
 
   mesh = tc.make_torus_mesh((2, 4))

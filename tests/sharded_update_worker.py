@@ -6,24 +6,17 @@ sharded LARS steps as the one-process test, which compares process 0's parameter
 to ``OUT.npz``) with its own on 8 devices.
 """
 
-import os
 import sys
 
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import multiprocess_setup  # first: it sets the device count before jax loads
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+# isort: split
+import jax
+import numpy as np
 
 
 def main(port: int, process_id: int, out_file: str) -> None:
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(
-    coordinator_address=f"127.0.0.1:{port}",
-    num_processes=2,
-    process_id=process_id,
-    initialization_timeout=120,
-  )
+  multiprocess_setup.join(port, process_id)
   import sharded_update_cases as cases
 
   mesh = cases.tc.make_torus_mesh((2, 4))
