@@ -44,6 +44,7 @@ the kernels are verified in TPU interpret mode and compile for v4, v5e, v5p and 
 from __future__ import annotations
 
 import functools
+import zlib
 from collections.abc import Sequence
 
 import jax
@@ -55,11 +56,39 @@ from jax.experimental.pallas import tpu as pltpu
 from torus_collectives import schedule as schedule_lib
 from torus_collectives._vma import varying_like
 
-# Barrier semaphores are per collective id; the two kernels use distinct ones so that a
-# device entering one kernel never mixes its barrier signals with a neighbour's other kernel.
-_REDUCE_SCATTER_COLLECTIVE_ID = 7
-_ALL_GATHER_COLLECTIVE_ID = 8
 _RECV_SLOTS = 2
+
+
+# collective_id: barrier semaphores are per id. Two kernels that sync with different
+# neighbour sets must not share one: a device still before the entry barrier of a 1-D ring
+# on y would count a signal its x neighbour sent on entering the 2-D torus kernel, DMA into
+# a y neighbour that has not entered, and leave the barrier count off by one. So every
+# (kind, axes, torus) pattern gets its own id, a pure function of the pattern (every
+# process of a multi-host job computes the same id without coordination). Ids are drawn
+# from [_FIRST_ID, 2**15) -- TPU interpret mode stores them as int16 -- by a hash; a
+# process-wide table turns a hash collision between two patterns into an error at trace
+# time instead of a silent shared barrier. (jax's barrier-semaphore tags would let XLA
+# assign ids, but interpret mode does not support them, so they could not be tested.)
+_FIRST_ID = 16
+_ID_PATTERNS: dict[int, tuple] = {}
+
+
+def collective_id(kind: str, axes: Sequence[str], torus: Sequence[int]) -> int:
+  """The barrier collective_id of a ``kind`` kernel over ``axes`` of sizes ``torus``.
+
+  Raises:
+    ValueError: if another pattern already traced in this process has the same id.
+  """
+  pattern = (kind, tuple(axes), tuple(int(n) for n in torus))
+  key = zlib.crc32(repr(pattern).encode())
+  cid = _FIRST_ID + key % ((1 << 15) - _FIRST_ID)
+  other = _ID_PATTERNS.setdefault(cid, pattern)
+  if other != pattern:
+    raise ValueError(
+      f"collective_id {cid} of {pattern} collides with {other}; the two kernels would share "
+      "a barrier semaphore. Rename one of the mesh axes."
+    )
+  return cid
 
 
 def _mod(x, n: int):
@@ -331,9 +360,10 @@ def reduce_scatter_call(
     input_output_aliases={1: 0},  # operand 0 is the coordinates
     cost_estimate=_schedule_cost(schedule, rows * lanes, x.dtype.itemsize, reduce=True),
     compiler_params=pltpu.CompilerParams(
-      collective_id=_REDUCE_SCATTER_COLLECTIVE_ID, has_side_effects=True
+      collective_id=collective_id("reduce_scatter", axes, schedule.torus),
+      has_side_effects=True,
     ),
-    name="torus_reduce_scatter",
+    name=f"torus_reduce_scatter_{'_'.join(axes)}",
   )(mesh_coordinates(mesh_axes), x)
   return acc
 
@@ -371,7 +401,8 @@ def all_gather_call(
       schedule, x.shape[-2] * x.shape[-1], x.dtype.itemsize, reduce=False
     ),
     compiler_params=pltpu.CompilerParams(
-      collective_id=_ALL_GATHER_COLLECTIVE_ID, has_side_effects=True
+      collective_id=collective_id("all_gather", axes, schedule.torus),
+      has_side_effects=True,
     ),
-    name="torus_all_gather",
+    name=f"torus_all_gather_{'_'.join(axes)}",
   )(mesh_coordinates(mesh_axes), x)
