@@ -164,3 +164,21 @@ def test_cli_prints_every_pod_dtype_and_variant(capsys, tmp_path):
   split = [line.split() for line in rows if "torus_2d_split" in line]
   assert all(float(cols[-1]) == pytest.approx(1.0) for cols in split)  # alpha 0: at the bound
   assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_pipelined_adds_hide_behind_the_links():
+  """Unpipelined, a reduce-scatter step is transfer + add; in k pieces the add overlaps
+  the transfer but for one piece, so the exposed add falls by k when the link dominates."""
+  nbytes = cm.RESNET50_PARAMS * 4
+  link_only = cm.predict("reduce_scatter", (16, 16), "torus_2d_split", nbytes, V5E)
+  whole = cm.predict("reduce_scatter", (16, 16), "torus_2d_split", nbytes, V5E, reduce_pieces=1)
+  piped = cm.predict("reduce_scatter", (16, 16), "torus_2d_split", nbytes, V5E, reduce_pieces=8)
+  adds = 3 * (255 / 256) * nbytes / V5E.hbm_bandwidth  # every received byte: 2 reads, 1 write
+  assert link_only.reduce_s == 0
+  assert whole.reduce_s == pytest.approx(adds, rel=1e-9)
+  assert piped.reduce_s == pytest.approx(adds / 8, rel=1e-9)
+  assert link_only.time_s < piped.time_s < whole.time_s
+  gather = cm.predict("all_gather", (16, 16), "torus_2d_split", nbytes, V5E, reduce_pieces=1)
+  assert gather.reduce_s == 0
+  with pytest.raises(ValueError, match="reduce_pieces"):
+    cm.predict("all_reduce", (4, 4), "torus_2d_split", nbytes, V5E, reduce_pieces=0)
