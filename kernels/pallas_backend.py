@@ -17,9 +17,12 @@ block (itself a multiple of 16 rows, the bfloat16 tiling). The all-reduce instea
 whole buffer once at its end. Any ``m``, ``n`` is accepted; the padding travels over the
 links, so tiny buffers pay for up to a block of rows per stream.
 
-dtypes: float32 and int32 reduce in their own type; bfloat16 and float16 are reduced in
-float32 (the reduce-scatter's partial sums travel as float32) and rounded once at the end,
-and the all-gather moves the 16-bit values.
+dtypes: float32 and int32 reduce in their own type. bfloat16 and float16 partial sums
+travel in their own type (the wire bytes of the bound, 2(p-1)/p S), and every hop adds
+the received partial sum to its own in float32 in VMEM and rounds the result once, as
+XLA's bfloat16 all-reduce does; ``KernelConfig(float32_partials=True)`` instead widens the
+buffer to float32 before the collective and rounds once at the end (twice the bytes, a
+smaller error). The all-gather moves any type as is.
 
 Inside ``shard_map`` with ``check_vma=True`` (the default) or ``False``: the kernel outputs
 are typed varying over the torus axes, like the ``ppermute`` fallback's, and the public
@@ -46,6 +49,13 @@ from torus_collectives._vma import ensure_varying
 from torus_collectives.configs import LANES, KernelConfig
 from torus_collectives.kernels import torus_kernels
 from torus_collectives.layout import accumulation_dtype, ceil_div, pad_chunks, pad_to
+
+
+def _work_dtype(dtype, config: KernelConfig | None) -> jnp.dtype:
+  """The type partial sums travel and live in HBM as (see the module docstring)."""
+  if config is not None and config.float32_partials:
+    return accumulation_dtype(dtype)
+  return jnp.dtype(dtype)
 
 
 def _target() -> tuple[tuple[str, ...], str]:
@@ -86,7 +96,7 @@ class _Plan:
     self.all_gather = schedule_lib.build("all_gather", self.torus, variant)
     self.streams = self.reduce_scatter.num_streams
     rows = ceil_div(chunk_elements, self.streams * LANES)
-    self.config = config or KernelConfig.default(rows, itemsize, device_kind)
+    self.config = (config or KernelConfig()).resolve(rows, itemsize, device_kind)
     block = self.config.block_rows
     self.rows = ceil_div(rows, block) * block
     self.chunk_shape = (self.streams, self.rows, LANES)
@@ -104,20 +114,19 @@ class _Plan:
     return pad_to(x, math.prod(self.chunk_shape)).reshape(self.chunk_shape)
 
   def run_reduce_scatter(self, grid: jax.Array) -> jax.Array:
-    """``(*torus, S, R, 128)`` -> this device's fully reduced ``(S, R, 128)`` chunk."""
-    acc = torus_kernels.reduce_scatter_call(
+    """``(*torus, S, R, 128)`` -> the work buffer: own chunk ``[*coords]`` fully reduced."""
+    return torus_kernels.reduce_scatter_call(
       ensure_varying(grid, self.axes),
       self.reduce_scatter,
       self.axes,
       self.mesh_axes,
       self.config.block_rows,
     )
-    return acc[self.own_index()]
 
-  def run_all_gather(self, chunk: jax.Array) -> jax.Array:
-    """``(S, R, 128)`` -> ``(p, S*R*128)``."""
+  def run_all_gather(self, x: jax.Array) -> jax.Array:
+    """The own chunk ``(S, R, 128)``, or a work buffer holding it -> ``(p, S*R*128)``."""
     out = torus_kernels.all_gather_call(
-      ensure_varying(chunk, self.axes), self.all_gather, self.axes, self.mesh_axes
+      ensure_varying(x, self.axes), self.all_gather, self.axes, self.mesh_axes
     )
     return out.reshape(math.prod(self.torus), -1)
 
@@ -137,10 +146,10 @@ def reduce_scatter(
   if x.size % p:
     raise ValueError(f"reduce_scatter needs a size divisible by {p} devices, got {x.size=}")
   m = x.size // p
-  work = accumulation_dtype(x.dtype)
+  work = _work_dtype(x.dtype, config)
   plan = _Plan(axes, torus, m, work.itemsize, config)
-  own = plan.run_reduce_scatter(plan.to_grid(x.astype(work), m))
-  return own.reshape(-1)[:m].astype(x.dtype)
+  acc = plan.run_reduce_scatter(plan.to_grid(x.astype(work), m))
+  return acc[plan.own_index()].reshape(-1)[:m].astype(x.dtype)
 
 
 def all_gather(
@@ -171,11 +180,13 @@ def all_reduce(
   n, p = x.size, math.prod(torus)
   if p == 1:
     return x
-  work = accumulation_dtype(x.dtype)
+  work = _work_dtype(x.dtype, config)
   plan = _Plan(axes, torus, ceil_div(n, p), work.itemsize, config)
   # Where the chunk boundaries fall is internal to an all-reduce, so the buffer is padded
   # once at its end (a prefix-preserving reshape) rather than chunk by chunk.
   grid_shape = plan.torus + plan.chunk_shape
   padded = pad_to(x.astype(work), math.prod(grid_shape)).reshape(grid_shape)
-  own = plan.run_reduce_scatter(padded).astype(x.dtype)
-  return plan.run_all_gather(own).reshape(-1)[:n]
+  acc = plan.run_reduce_scatter(padded)
+  if acc.dtype != x.dtype:  # float32_partials: round the own chunk, gather the result
+    return plan.run_all_gather(acc[plan.own_index()].astype(x.dtype)).reshape(-1)[:n]
+  return plan.run_all_gather(acc).reshape(-1)[:n]

@@ -7,10 +7,14 @@ live, at one index along the phase's axis, in one stream) to the ring neighbour:
 
 * reduce-scatter: the slab goes HBM -> neighbour's HBM receive slot by remote DMA; the
   receiver then adds it to its own partial sums, streaming both through VMEM in blocks of
-  ``block_rows`` x 128. The work buffer is the (aliased) input, so the own chunk ends up
-  fully reduced in place.
+  ``block_rows`` x 128, and stores the sum in the work buffer (the kernel's output). The
+  first phase of each stream reads its own terms from the input, later phases from the
+  work buffer, so the input is only read (XLA need not copy an input it may not clobber)
+  and the own chunk ends up fully reduced in the work buffer.
 * all-gather: the slab goes straight from the sender's output buffer into the same place in
   the receiver's output buffer; every place is written exactly once, so no staging is needed.
+  Given a reduce-scatter's work buffer (the own chunk reduced in place), the all-gather
+  aliases it as its output, so the all-reduce is the two kernels with no copy between.
 
 The streams of a step run concurrently: all their DMAs are started before any is waited on,
 so on the 2-D split schedule the +x, -x, +y and -y links of a chip carry traffic together.
@@ -30,8 +34,9 @@ Synchronisation:
 Under ``shard_map(check_vma=True)`` the outputs carry the input's varying axes, so callers
 pass inputs already varying over the torus axes.
 
-Assumptions: the reduce-scatter sums integers and float32 (callers widen bfloat16 and
-float16 to float32 first); the all-gather moves any 16- or 32-bit type;
+Assumptions: the reduce-scatter sums 32-bit integers and floats in their own type and
+16-bit floats in float32 in VMEM, rounding each hop's sum back to the buffer's type, so
+partial sums travel at the input's width; the all-gather moves any 16- or 32-bit type;
 ``R`` is a multiple of ``block_rows``; the kernels run inside a ``shard_map`` that binds every
 axis of its mesh (device ids are mesh coordinates over all of them).
 
@@ -44,6 +49,7 @@ the kernels are verified in TPU interpret mode and compile for v4, v5e, v5p and 
 from __future__ import annotations
 
 import functools
+import math
 import zlib
 from collections.abc import Sequence
 
@@ -57,7 +63,6 @@ from torus_collectives import schedule as schedule_lib
 from torus_collectives._vma import varying_like
 
 _RECV_SLOTS = 2
-
 
 # collective_id: barrier semaphores are per id. Two kernels that sync with different
 # neighbour sets must not share one: a device still before the entry barrier of a 1-D ring
@@ -158,10 +163,18 @@ def _phase_index(schedule: schedule_lib.Schedule) -> list[list[int]]:
   return out
 
 
-def _accumulate(dst, src, own_bufs, in_bufs, sems) -> None:
-  """``dst += src`` for two ``(chunks, R, 128)`` HBM views, block by block through VMEM.
+def _add(a: jax.Array, b: jax.Array) -> jax.Array:
+  """``a + b`` in ``a``'s type; 16-bit floats add in float32 and round once."""
+  if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4:
+    return (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)
+  return a + b
 
-  Double-buffered: block ``i + 1`` loads while block ``i`` is added and stored back.
+
+def _accumulate(dst, own, src, own_bufs, in_bufs, sems) -> None:
+  """``dst = own + src`` for ``(chunks, R, 128)`` HBM views, block by block through VMEM.
+
+  ``own`` is ``dst`` itself or the same place in the kernel's input. Double-buffered:
+  block ``i + 1`` loads while block ``i`` is added and stored.
   ``sems[0|1|2, slot]`` track the own load, the received load and the store of a slot.
   """
   chunks, rows, _ = dst.shape
@@ -175,7 +188,7 @@ def _accumulate(dst, src, own_bufs, in_bufs, sems) -> None:
   def loads(i, slot):
     chunk, rows_ = place(i)
     return (
-      pltpu.make_async_copy(dst.at[chunk, rows_], own_bufs.at[slot], sems.at[0, slot]),
+      pltpu.make_async_copy(own.at[chunk, rows_], own_bufs.at[slot], sems.at[0, slot]),
       pltpu.make_async_copy(src.at[chunk, rows_], in_bufs.at[slot], sems.at[1, slot]),
     )
 
@@ -200,7 +213,7 @@ def _accumulate(dst, src, own_bufs, in_bufs, sems) -> None:
       for copy in loads(i + 1, 1 - slot):
         copy.start()
 
-    own_bufs[slot] = own_bufs[slot] + in_bufs[slot]
+    own_bufs[slot] = _add(own_bufs[slot], in_bufs[slot])
     store(i, slot).start()
     return carry
 
@@ -224,10 +237,16 @@ def _reduce_scatter_kernel(
   buf_in,
   local_sems,
 ):
-  del x_ref  # aliased with acc_ref: the reduction works in place
   topo = _Topology(*topo_args, coords_ref)
   steps = schedule.steps()
   phase_of = _phase_index(schedule)
+
+  def own_terms(tr, t):
+    # In a stream's first phase no slab is received twice, so the own term of every add
+    # is still the input's; later phases add to sums this kernel stored. The input is
+    # only ever read, so XLA need not copy an input it may not clobber.
+    return x_ref if phase_of[tr.stream][t] == phase_of[tr.stream][0] else acc_ref
+
   with jax.named_scope("barrier"):
     topo.barrier(schedule)
   for t, transfers in enumerate(steps):
@@ -235,7 +254,10 @@ def _reduce_scatter_kernel(
     copies = []
     with jax.named_scope(f"send_step{t}"):
       for tr in transfers:
-        src = topo.slab_view(acc_ref, tr, topo.slab(tr.phase, tr.step, sending=True))
+        # Step 0 sends the input's terms; every later slab sent was summed a step before.
+        src = topo.slab_view(
+          x_ref if t == 0 else acc_ref, tr, topo.slab(tr.phase, tr.step, sending=True)
+        )
         if t >= _RECV_SLOTS:  # the downstream slot still holds step t - 2 until freed
           pl.semaphore_wait(capacity.at[tr.stream, phase_of[tr.stream][t], slot], 1)
         copy = pltpu.make_async_remote_copy(
@@ -250,8 +272,10 @@ def _reduce_scatter_kernel(
     with jax.named_scope(f"reduce_step{t}"):
       for tr, copy in zip(transfers, copies):
         copy.wait_recv()
-        dst = topo.slab_view(acc_ref, tr, topo.slab(tr.phase, tr.step, sending=False))
-        _accumulate(dst, copy.dst_ref, buf_own, buf_in, local_sems)
+        place = topo.slab(tr.phase, tr.step, sending=False)
+        dst = topo.slab_view(acc_ref, tr, place)
+        own = topo.slab_view(own_terms(tr, t), tr, place)
+        _accumulate(dst, own, copy.dst_ref, buf_own, buf_in, local_sems)
         if t + _RECV_SLOTS < len(steps):  # free the slot for whoever fills it next
           later = steps[t + _RECV_SLOTS][tr.stream].phase
           pl.semaphore_signal(
@@ -267,9 +291,12 @@ def _all_gather_kernel(
   schedule, topo_args, coords_ref, x_ref, out_ref, send_sems, recv_sems, local_sem
 ):
   topo = _Topology(*topo_args, coords_ref)
-  own = pltpu.make_async_copy(x_ref, out_ref.at[topo.coords], local_sem)
-  own.start()
-  own.wait()
+  if x_ref.shape != out_ref.shape:  # the own chunk alone: place it first
+    own = pltpu.make_async_copy(x_ref, out_ref.at[topo.coords], local_sem)
+    own.start()
+    own.wait()
+  else:  # the whole grid, aliased with the output: the own chunk is already in place
+    del x_ref, local_sem
   with jax.named_scope("barrier"):
     topo.barrier(schedule)
   for t, transfers in enumerate(schedule.steps()):
@@ -295,12 +322,22 @@ def _all_gather_kernel(
 
 
 def _schedule_cost(
-  schedule: schedule_lib.Schedule, slice_elements: int, itemsize: int, *, reduce: bool
+  schedule: schedule_lib.Schedule,
+  slice_elements: int,
+  itemsize: int,
+  *,
+  reduce: bool,
+  own_copy: int = 0,
 ) -> pl.CostEstimate:
   """The kernel's cost for XLA's scheduler, priced from the schedule itself.
 
-  Per element a device sends: one HBM read to send and one HBM write on arrival; a
-  reduction adds two reads and a write (own + received -> own) and one add.
+  Counted per element a device sends (``sent``, summed over the schedule's transfers): one
+  HBM read by the sending DMA and one HBM write where it lands (remote, but in some
+  chip's HBM). A reduction adds, per received element, two HBM reads into VMEM (own
+  partial sum and received one), one HBM write of the sum, and one add: 5 HBM accesses
+  per element sent in all, 2 without reduction. ``own_copy`` elements copied locally
+  (the all-gather placing its own chunk) cost a read and a write each. Over a ring
+  reduce-scatter plus all-gather of S bytes on p devices this is the ideal 7 (p-1)/p S.
   """
   sent = sum(
     t.slab_elements(schedule.torus, slice_elements) for step in schedule.steps() for t in step
@@ -308,7 +345,7 @@ def _schedule_cost(
   return pl.CostEstimate(
     flops=sent if reduce else 0,
     transcendentals=0,
-    bytes_accessed=(5 if reduce else 2) * sent * itemsize,
+    bytes_accessed=((5 if reduce else 2) * sent + 2 * own_copy) * itemsize,
     remote_bytes_transferred=sent * itemsize,
   )
 
@@ -357,7 +394,6 @@ def reduce_scatter_call(
       varying_like(x, (streams, _RECV_SLOTS, _max_slab_chunks(schedule), rows, lanes)),
     ),
     grid_spec=grid_spec,
-    input_output_aliases={1: 0},  # operand 0 is the coordinates
     cost_estimate=_schedule_cost(schedule, rows * lanes, x.dtype.itemsize, reduce=True),
     compiler_params=pltpu.CompilerParams(
       collective_id=collective_id("reduce_scatter", axes, schedule.torus),
@@ -374,11 +410,16 @@ def all_gather_call(
   axes: Sequence[str],
   mesh_axes: Sequence[str],
 ) -> jax.Array:
-  """Runs an all-gather ``schedule`` on the own chunk ``x`` of shape ``(S, R, 128)``.
+  """Runs an all-gather ``schedule``; returns the full grid ``(*torus, S, R, 128)``.
 
-  Returns the full grid ``(*torus, S, R, 128)``.
+  ``x`` is either the own chunk ``(S, R, 128)``, which the kernel copies into its place
+  first, or a whole grid ``(*torus, S, R, 128)`` whose own chunk ``[*coords]`` is the one to
+  gather (a reduce-scatter's work buffer): then the grid is the output, aliased, and the
+  rest of it is overwritten, so the hand-over from a reduce-scatter copies nothing.
   """
   steps, streams = schedule.num_steps, schedule.num_streams
+  chunk_shape = x.shape[-3:]
+  in_place = x.shape == schedule.torus + chunk_shape
   kernel = functools.partial(
     _all_gather_kernel, schedule, (tuple(axes), schedule.torus, tuple(mesh_axes))
   )
@@ -393,12 +434,18 @@ def all_gather_call(
       pltpu.SemaphoreType.DMA(()),
     ],
   )
+  chunk_elements = chunk_shape[-2] * chunk_shape[-1]
   return pl.pallas_call(
     kernel,
-    out_shape=varying_like(x, schedule.torus + x.shape),
+    out_shape=varying_like(x, schedule.torus + chunk_shape),
     grid_spec=grid_spec,
+    input_output_aliases={1: 0} if in_place else {},
     cost_estimate=_schedule_cost(
-      schedule, x.shape[-2] * x.shape[-1], x.dtype.itemsize, reduce=False
+      schedule,
+      chunk_elements,
+      x.dtype.itemsize,
+      reduce=False,
+      own_copy=0 if in_place else math.prod(chunk_shape),
     ),
     compiler_params=pltpu.CompilerParams(
       collective_id=collective_id("all_gather", axes, schedule.torus),

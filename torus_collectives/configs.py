@@ -8,7 +8,8 @@ self-validating dataclasses: a bad value raises ``ValueError`` when constructed.
 The torus kernels move data HBM to HBM with remote DMAs and stream the reductions through
 VMEM in blocks of ``block_rows`` x 128 lanes. A block is the unit of VMEM traffic: four
 blocks (the own partial sum and the received one, each double-buffered) are resident at a
-time. The batch-norm passes tile the activation, viewed as ``x[rows, channels]``, into
+time, plus their float32 sum when the buffer holds a 16-bit type. The batch-norm passes
+tile the activation, viewed as ``x[rows, channels]``, into
 ``block_rows`` x ``block_channels`` blocks.
 """
 
@@ -45,17 +46,27 @@ BN_MAX_BLOCK_CHANNELS = 512
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-  """Block size of the VMEM streaming in the torus reduce-scatter kernel.
+  """Tunables of the torus kernels.
 
   Attributes:
     block_rows: rows of 128 lanes per VMEM block; a positive multiple of 16. Each stream's
-      slice of a chunk is padded to a multiple of it.
+      slice of a chunk is padded to a multiple of it. None (the default): chosen from the
+      buffer's size and the TPU generation (``default``).
+    float32_partials: for bfloat16 and float16, send the reduce-scatter's partial sums as
+      float32 (the input is widened before and rounded after the collective). Off by
+      default: partial sums travel in the input's type and every hop adds in float32 in
+      VMEM and rounds once, as XLA's bfloat16 all-reduce does, at half the wire bytes.
+      On, the sum is rounded only once, at the price of 2x the wire and HBM bytes plus
+      the widening and rounding passes around the kernels. No effect on 32-bit types.
   """
 
-  block_rows: int = 512
+  block_rows: int | None = None
+  float32_partials: bool = False
 
   def __post_init__(self):
-    if (
+    if not isinstance(self.float32_partials, bool):
+      raise ValueError(f"float32_partials must be a bool, got {self.float32_partials=}")
+    if self.block_rows is not None and (
       not isinstance(self.block_rows, int) or self.block_rows <= 0 or self.block_rows % ROW_MULTIPLE
     ):
       raise ValueError(
@@ -76,6 +87,13 @@ class KernelConfig:
     rows = max(rows_per_slice, 1)
     blocks = ceil_div(rows, cap)
     return cls(block_rows=ceil_div(rows, blocks * ROW_MULTIPLE) * ROW_MULTIPLE)
+
+  def resolve(self, rows_per_slice: int, itemsize: int, device_kind: str) -> KernelConfig:
+    """This config with ``block_rows`` filled in from the shape and generation if unset."""
+    if self.block_rows is not None:
+      return self
+    block_rows = KernelConfig.default(rows_per_slice, itemsize, device_kind).block_rows
+    return dataclasses.replace(self, block_rows=block_rows)
 
 
 @dataclasses.dataclass(frozen=True)
