@@ -84,6 +84,8 @@ class ResNet(nn.Module):
   # 'flax' swaps in flax.linen.BatchNorm (always over all of axis_name): the usual
   # approach, kept as the baseline the benchmarks compare against.
   batch_norm: str = 'torus_collectives'
+  # implementation= of torus_collectives.nn.BatchNorm ("auto", "xla" or "pallas").
+  bn_implementation: str = 'auto'
 
   @nn.compact
   def __call__(self, x, *, train: bool):
@@ -102,7 +104,11 @@ class ResNet(nn.Module):
       axis_name=self.axis_name if train else None,
     )
     if self.batch_norm == 'torus_collectives':
-      norm = functools.partial(norm, group_size=self.bn_group_size if train else None)
+      norm = functools.partial(
+        norm,
+        group_size=self.bn_group_size if train else None,
+        implementation=self.bn_implementation,
+      )
     x = conv(self.num_filters, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], name='stem_conv')(
       x.astype(self.dtype)
     )
