@@ -12,10 +12,11 @@ all-gather, which is exactly the all-reduce schedule (its streams are the reduce
 phases followed by the all-gather phases, in lockstep).
 
 Layout and padding: chunk ``c`` (``m`` elements) is zero-padded to ``S * R * 128`` elements
-and viewed as ``S`` stream slices of ``R`` rows of 128 lanes, ``R`` a multiple of the VMEM
-block (itself a multiple of 16 rows, the bfloat16 tiling). The all-reduce instead pads the
-whole buffer once at its end. Any ``m``, ``n`` is accepted; the padding travels over the
-links, so tiny buffers pay for up to a block of rows per stream.
+and viewed as ``S`` stream slices of ``R`` rows of 128 lanes, ``R`` a multiple of 16 rows
+(the bfloat16 tiling). The all-reduce instead pads the whole buffer once at its end. Any
+``m``, ``n`` is accepted; the padding travels over the links, at most one 16-row tile per
+stream slice. Sizes with nothing to pad (``n`` a multiple of ``p * S * 16 * 128``) compile
+to the kernels alone: the reshapes are bitcasts, and nothing is copied between them.
 
 dtypes: float32 and int32 reduce in their own type. bfloat16 and float16 partial sums
 travel in their own type (the wire bytes of the bound, 2(p-1)/p S), and every hop adds
@@ -46,7 +47,7 @@ from jax import lax
 from torus_collectives import platform
 from torus_collectives import schedule as schedule_lib
 from torus_collectives._vma import ensure_varying
-from torus_collectives.configs import LANES, KernelConfig
+from torus_collectives.configs import LANES, ROW_MULTIPLE, KernelConfig
 from torus_collectives.kernels import torus_kernels
 from torus_collectives.layout import accumulation_dtype, ceil_div, pad_chunks, pad_to
 
@@ -97,8 +98,7 @@ class _Plan:
     self.streams = self.reduce_scatter.num_streams
     rows = ceil_div(chunk_elements, self.streams * LANES)
     self.config = (config or KernelConfig()).resolve(rows, itemsize, device_kind)
-    block = self.config.block_rows
-    self.rows = ceil_div(rows, block) * block
+    self.rows = ceil_div(rows, ROW_MULTIPLE) * ROW_MULTIPLE
     self.chunk_shape = (self.streams, self.rows, LANES)
 
   def own_index(self) -> tuple:

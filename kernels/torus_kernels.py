@@ -23,8 +23,8 @@ Synchronisation:
 
 * an entry barrier (the kernel's barrier semaphore): a device writes into a neighbour only
   after that neighbour has entered the kernel;
-* one DMA semaphore per (stream, step) on each side, so a DMA that lands early (in whatever
-  order the hardware completes them) is never mistaken for another;
+* one DMA semaphore per (stream, step, piece) on each side, so a DMA that lands early (in
+  whatever order the hardware completes them) is never mistaken for another;
 * reduce-scatter receive slots are double-buffered per stream; a sender waits on a capacity
   semaphore before reusing a slot, signalled by the receiver once it has added the slot's
   previous contents. Capacity semaphores are indexed by (stream, phase, slot), because the
@@ -37,13 +37,18 @@ pass inputs already varying over the torus axes.
 Assumptions: the reduce-scatter sums 32-bit integers and floats in their own type and
 16-bit floats in float32 in VMEM, rounding each hop's sum back to the buffer's type, so
 partial sums travel at the input's width; the all-gather moves any 16- or 32-bit type;
-``R`` is a multiple of ``block_rows``; the kernels run inside a ``shard_map`` that binds every
+``R`` is a multiple of 16; the kernels run inside a ``shard_map`` that binds every
 axis of its mesh (device ids are mesh coordinates over all of them).
 
-Not done (yet): within one stream, a step's reduction starts only once the whole slab has
-arrived, so a stream's link idles while it reduces (the other streams' DMAs overlap it);
-splitting slabs into DMA-sized pieces would pipeline the two. Nothing here has run on a TPU:
-the kernels are verified in TPU interpret mode and compile for v4, v5e, v5p and v6e.
+Pipelining: a reduce-scatter slab is sent as pieces of ``block_rows`` rows of every chunk
+(the last piece may be shorter), each its own DMA with its own semaphore pair, all started
+at once; the receiver adds piece k (interleaving the streams) as soon as it has landed,
+while pieces k + 1, ... are still on the link. So within a step only the last piece's add
+is not hidden behind the link (``cost_model.predict(reduce_pieces=...)`` prices this).
+The next step's sends still start only when the step's adds are done.
+
+Nothing here has run on a TPU: the kernels are verified in TPU interpret mode and compile
+for v4, v5e, v5p and v6e.
 """
 
 from __future__ import annotations
@@ -60,7 +65,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from torus_collectives import schedule as schedule_lib
-from torus_collectives._vma import varying_like
 
 _RECV_SLOTS = 2
 
@@ -170,31 +174,32 @@ def _add(a: jax.Array, b: jax.Array) -> jax.Array:
   return a + b
 
 
+def pieces(rows: int, block_rows: int) -> list[tuple[int, int]]:
+  """``(first row, rows)`` of the pieces a slab's ``rows`` are cut into: whole blocks, then
+  the remainder (slices are padded to whole 16-row tiles only, not whole blocks)."""
+  return [(start, min(block_rows, rows - start)) for start in range(0, rows, block_rows)]
+
+
 def _accumulate(dst, own, src, own_bufs, in_bufs, sems) -> None:
-  """``dst = own + src`` for ``(chunks, R, 128)`` HBM views, block by block through VMEM.
+  """``dst = own + src`` for ``(chunks, rows, 128)`` HBM views, ``rows`` at most a VMEM
+  block, chunk by chunk through VMEM.
 
   ``own`` is ``dst`` itself or the same place in the kernel's input. Double-buffered:
-  block ``i + 1`` loads while block ``i`` is added and stored.
+  chunk ``i + 1`` loads while chunk ``i`` is added and stored.
   ``sems[0|1|2, slot]`` track the own load, the received load and the store of a slot.
   """
-  chunks, rows, _ = dst.shape
-  block = own_bufs.shape[1]
-  per_chunk = rows // block
-  total = chunks * per_chunk
-
-  def place(i):
-    return i // per_chunk, pl.ds(pl.multiple_of((i % per_chunk) * block, block), block)
+  total, rows, _ = dst.shape
+  own_vmem = own_bufs.at[:, pl.ds(0, rows)]
+  in_vmem = in_bufs.at[:, pl.ds(0, rows)]
 
   def loads(i, slot):
-    chunk, rows_ = place(i)
     return (
-      pltpu.make_async_copy(own.at[chunk, rows_], own_bufs.at[slot], sems.at[0, slot]),
-      pltpu.make_async_copy(src.at[chunk, rows_], in_bufs.at[slot], sems.at[1, slot]),
+      pltpu.make_async_copy(own.at[i], own_vmem.at[slot], sems.at[0, slot]),
+      pltpu.make_async_copy(src.at[i], in_vmem.at[slot], sems.at[1, slot]),
     )
 
   def store(i, slot):
-    chunk, rows_ = place(i)
-    return pltpu.make_async_copy(own_bufs.at[slot], dst.at[chunk, rows_], sems.at[2, slot])
+    return pltpu.make_async_copy(own_vmem.at[slot], dst.at[i], sems.at[2, slot])
 
   for copy in loads(0, 0):
     copy.start()
@@ -213,7 +218,7 @@ def _accumulate(dst, own, src, own_bufs, in_bufs, sems) -> None:
       for copy in loads(i + 1, 1 - slot):
         copy.start()
 
-    own_bufs[slot] = _add(own_bufs[slot], in_bufs[slot])
+    own_vmem[slot] = _add(own_vmem[slot], in_vmem[slot])
     store(i, slot).start()
     return carry
 
@@ -226,6 +231,7 @@ def _accumulate(dst, own, src, own_bufs, in_bufs, sems) -> None:
 def _reduce_scatter_kernel(
   schedule,
   topo_args,
+  slab_pieces,
   coords_ref,
   x_ref,
   acc_ref,
@@ -247,6 +253,10 @@ def _reduce_scatter_kernel(
     # only ever read, so XLA need not copy an input it may not clobber.
     return x_ref if phase_of[tr.stream][t] == phase_of[tr.stream][0] else acc_ref
 
+  def rows(view, piece):
+    start, size = piece
+    return view.at[:, pl.ds(start, size)]
+
   with jax.named_scope("barrier"):
     topo.barrier(schedule)
   for t, transfers in enumerate(steps):
@@ -258,24 +268,37 @@ def _reduce_scatter_kernel(
         src = topo.slab_view(
           x_ref if t == 0 else acc_ref, tr, topo.slab(tr.phase, tr.step, sending=True)
         )
+        dst = recv_ref.at[tr.stream, slot, pl.ds(0, src.shape[0])]
         if t >= _RECV_SLOTS:  # the downstream slot still holds step t - 2 until freed
           pl.semaphore_wait(capacity.at[tr.stream, phase_of[tr.stream][t], slot], 1)
-        copy = pltpu.make_async_remote_copy(
-          src,
-          recv_ref.at[tr.stream, slot, pl.ds(0, src.shape[0])],
-          send_sems.at[tr.stream, t],
-          recv_sems.at[tr.stream, t],
-          device_id=topo.neighbour(tr.phase.axis, tr.phase.direction),
-        )
-        copy.start()
-        copies.append(copy)
+        # One DMA (and semaphore pair) per piece: the receiver adds piece k while the
+        # link still carries pieces k + 1, ...
+        piece_copies = []
+        for k, piece in enumerate(slab_pieces):
+          copy = pltpu.make_async_remote_copy(
+            rows(src, piece),
+            rows(dst, piece),
+            send_sems.at[tr.stream, t, k],
+            recv_sems.at[tr.stream, t, k],
+            device_id=topo.neighbour(tr.phase.axis, tr.phase.direction),
+          )
+          copy.start()
+          piece_copies.append(copy)
+        copies.append(piece_copies)
     with jax.named_scope(f"reduce_step{t}"):
-      for tr, copy in zip(transfers, copies):
-        copy.wait_recv()
-        place = topo.slab(tr.phase, tr.step, sending=False)
-        dst = topo.slab_view(acc_ref, tr, place)
-        own = topo.slab_view(own_terms(tr, t), tr, place)
-        _accumulate(dst, own, copy.dst_ref, buf_own, buf_in, local_sems)
+      for k, piece in enumerate(slab_pieces):
+        for tr, piece_copies in zip(transfers, copies):
+          piece_copies[k].wait_recv()
+          place = topo.slab(tr.phase, tr.step, sending=False)
+          _accumulate(
+            rows(topo.slab_view(acc_ref, tr, place), piece),
+            rows(topo.slab_view(own_terms(tr, t), tr, place), piece),
+            piece_copies[k].dst_ref,
+            buf_own,
+            buf_in,
+            local_sems,
+          )
+      for tr in transfers:
         if t + _RECV_SLOTS < len(steps):  # free the slot for whoever fills it next
           later = steps[t + _RECV_SLOTS][tr.stream].phase
           pl.semaphore_signal(
@@ -283,8 +306,9 @@ def _reduce_scatter_kernel(
             1,
             device_id=topo.neighbour(later.axis, -later.direction),
           )
-      for copy in copies:
-        copy.wait_send()
+      for piece_copies in copies:
+        for copy in piece_copies:
+          copy.wait_send()
 
 
 def _all_gather_kernel(
@@ -350,6 +374,12 @@ def _schedule_cost(
   )
 
 
+def _hbm_like(x: jax.Array, shape):
+  """An output type of ``shape`` in HBM, varying over the same mesh axes as ``x``. Left
+  free, XLA may place a small output in another memory space and copy it out again."""
+  return pltpu.HBM.from_type(jax.typeof(x).update(shape=tuple(shape), weak_type=False))
+
+
 def _max_slab_chunks(schedule: schedule_lib.Schedule) -> int:
   return max(t.slab_elements(schedule.torus, 1) for step in schedule.steps() for t in step)
 
@@ -369,8 +399,12 @@ def reduce_scatter_call(
   steps, streams = schedule.num_steps, schedule.num_streams
   _, rows, lanes = x.shape[-3:]
   phases = max(len(p) for p in schedule.streams)
+  slab_pieces = pieces(rows, block_rows)
   kernel = functools.partial(
-    _reduce_scatter_kernel, schedule, (tuple(axes), schedule.torus, tuple(mesh_axes))
+    _reduce_scatter_kernel,
+    schedule,
+    (tuple(axes), schedule.torus, tuple(mesh_axes)),
+    slab_pieces,
   )
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -378,20 +412,20 @@ def reduce_scatter_call(
     in_specs=[any_spec],
     out_specs=(any_spec, any_spec),
     scratch_shapes=[
-      pltpu.SemaphoreType.DMA((streams, steps)),
-      pltpu.SemaphoreType.DMA((streams, steps)),
+      pltpu.SemaphoreType.DMA((streams, steps, len(slab_pieces))),
+      pltpu.SemaphoreType.DMA((streams, steps, len(slab_pieces))),
       pltpu.SemaphoreType.REGULAR((streams, phases, _RECV_SLOTS)),
-      pltpu.VMEM((2, block_rows, lanes), x.dtype),
-      pltpu.VMEM((2, block_rows, lanes), x.dtype),
+      pltpu.VMEM((2, min(block_rows, rows), lanes), x.dtype),
+      pltpu.VMEM((2, min(block_rows, rows), lanes), x.dtype),
       pltpu.SemaphoreType.DMA((3, 2)),
     ],
   )
   acc, _ = pl.pallas_call(
     kernel,
     out_shape=(
-      varying_like(x, x.shape),
+      _hbm_like(x, x.shape),
       # Receive slots live in HBM; an output is how a kernel gets an HBM buffer.
-      varying_like(x, (streams, _RECV_SLOTS, _max_slab_chunks(schedule), rows, lanes)),
+      _hbm_like(x, (streams, _RECV_SLOTS, _max_slab_chunks(schedule), rows, lanes)),
     ),
     grid_spec=grid_spec,
     cost_estimate=_schedule_cost(schedule, rows * lanes, x.dtype.itemsize, reduce=True),
@@ -437,7 +471,7 @@ def all_gather_call(
   chunk_elements = chunk_shape[-2] * chunk_shape[-1]
   return pl.pallas_call(
     kernel,
-    out_shape=varying_like(x, schedule.torus + chunk_shape),
+    out_shape=_hbm_like(x, schedule.torus + chunk_shape),
     grid_spec=grid_spec,
     input_output_aliases={1: 0} if in_place else {},
     cost_estimate=_schedule_cost(

@@ -222,3 +222,26 @@ def test_bfloat16_error_against_float64():
   assert np.all(once <= u * np.abs(exact) + 2.0**-20 * scale)
   assert np.all(per_hop <= 4 * u * scale)
   assert per_hop.mean() > once.mean()  # the bound is not vacuous: hops do round
+
+
+@pytest.mark.parametrize(
+  "n,block_rows",
+  [
+    (8 * 4 * 48 * 128 - 5, 32),  # 48 rows per stream slice: pieces of 32 and 16 rows
+    (5, None),  # tiny: one 16-row tile per stream slice
+  ],
+  ids=["short-last-piece", "tiny"],
+)
+def test_all_reduce_pieces_and_padding(n, block_rows):
+  """Slabs cut into pieces that do not divide the slice, and a buffer smaller than one
+  tile per stream, against lax (integers: exact)."""
+  mesh = _mesh((2, 4))
+  x = _inputs(jnp.int32, (8, n), integers=True)
+  want = _per_device(LAX["all_reduce"](AXES), mesh, AXES)(x)
+  config = config_lib.KernelConfig(block_rows=block_rows)
+  got = interpreted(
+    "on_wait",
+    _per_device(lambda v: kernels.all_reduce(v, AXES, (2, 4), config=config), mesh, AXES),
+    x,
+  )
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
