@@ -19,11 +19,14 @@ stream slice. Sizes with nothing to pad (``n`` a multiple of ``p * S * 16 * 128`
 to the kernels alone: the reshapes are bitcasts, and nothing is copied between them.
 
 dtypes: float32 and int32 reduce in their own type. bfloat16 and float16 partial sums
-travel in their own type (the wire bytes of the bound, 2(p-1)/p S), and every hop adds
-the received partial sum to its own in float32 in VMEM and rounds the result once, as
-XLA's bfloat16 all-reduce does; ``KernelConfig(float32_partials=True)`` instead widens the
-buffer to float32 before the collective and rounds once at the end (twice the bytes, a
-smaller error). The all-gather moves any type as is.
+travel in their own type (the wire bytes of the bound, 2(p-1)/p S, the format of XLA's
+bfloat16 all-reduce on TPU), and every hop adds the received partial sum to its own in
+float32 in VMEM and rounds the result once; ``KernelConfig(float32_partials=True)``
+instead widens the buffer to float32 before the collective and rounds once at the end
+(twice the bytes; as ``lax.psum`` on CPU does, whose result it matched bit for bit on a
+2x4 mesh). Measured against a float64 sum of 8 random normal bfloat16 terms (2x4 torus,
+interpret mode): max error 2.07 u sum|x| per-hop, 0.97 u sum|x| rounded once (u = 2**-8),
+RMS error 0.32 % vs 0.17 % of the RMS sum. The all-gather moves any type as is.
 
 Inside ``shard_map`` with ``check_vma=True`` (the default) or ``False``: the kernel outputs
 are typed varying over the torus axes, like the ``ppermute`` fallback's, and the public

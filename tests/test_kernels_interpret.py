@@ -206,8 +206,8 @@ def test_bfloat16_wire_bytes_and_types(float32_partials):
 def test_bfloat16_error_against_float64():
   """Both bf16 modes against the exact (float64) sum. With float32 partials the sum is
   rounded once: within half a bf16 ulp of the exact sum. With bf16 partials each of the
-  4 adds on an element's path (3 on the y ring, 1 on x) rounds, as in XLA's bf16
-  all-reduce: within 4 u sum|x_i| (u = 2**-8, the bf16 unit roundoff)."""
+  4 adds on an element's path (3 on the y ring, 1 on x) rounds: within 4 u sum|x_i|
+  (u = 2**-8, the bf16 unit roundoff)."""
   mesh, p, u = _mesh((2, 4)), 8, 2.0**-8
   x = _inputs(jnp.bfloat16, (8, p * 4 * 16 * 128), integers=False)
   terms = np.asarray(x, np.float64)

@@ -57,10 +57,11 @@ class KernelConfig:
       generation (``default``).
     float32_partials: for bfloat16 and float16, send the reduce-scatter's partial sums as
       float32 (the input is widened before and rounded after the collective). Off by
-      default: partial sums travel in the input's type and every hop adds in float32 in
-      VMEM and rounds once, as XLA's bfloat16 all-reduce does, at half the wire bytes.
-      On, the sum is rounded only once, at the price of 2x the wire and HBM bytes plus
-      the widening and rounding passes around the kernels. No effect on 32-bit types.
+      default: partial sums travel in the input's type (the wire bytes of XLA's bfloat16
+      all-reduce) and every hop adds in float32 in VMEM and rounds once. On, the sum is
+      rounded only once (about half the error; figures in ``pallas_backend``), at the
+      price of 2x the wire and HBM bytes plus the widening and rounding passes around
+      the kernels. No effect on 32-bit types.
   """
 
   block_rows: int | None = None
