@@ -15,8 +15,9 @@ Layout and padding: chunk ``c`` (``m`` elements) is zero-padded to ``S * R * 128
 and viewed as ``S`` stream slices of ``R`` rows of 128 lanes, ``R`` a multiple of 16 rows
 (the bfloat16 tiling). The all-reduce instead pads the whole buffer once at its end. Any
 ``m``, ``n`` is accepted; the padding travels over the links, at most one 16-row tile per
-stream slice. Sizes with nothing to pad (``n`` a multiple of ``p * S * 16 * 128``) compile
-to the kernels alone: the reshapes are bitcasts, and nothing is copied between them.
+stream slice; chunks too small to give every stream a tile travel in one stream. Sizes
+with nothing to pad (``n`` a multiple of ``p * S * 16 * 128``) compile to the kernels
+alone: the reshapes are bitcasts, and nothing is copied between them.
 
 dtypes: float32 and int32 reduce in their own type. bfloat16 and float16 partial sums
 travel in their own type (the wire bytes of the bound, 2(p-1)/p S, the format of XLA's
@@ -40,6 +41,7 @@ libtpu cannot compile Pallas remote DMAs for them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -96,9 +98,16 @@ class _Plan:
     self.axes, self.torus = tuple(axes), tuple(int(n) for n in torus)
     self.mesh_axes, device_kind = _target()
     variant = schedule_lib.default_variant(self.torus)
-    self.reduce_scatter = schedule_lib.build("reduce_scatter", self.torus, variant)
-    self.all_gather = schedule_lib.build("all_gather", self.torus, variant)
-    self.streams = self.reduce_scatter.num_streams
+    rs = schedule_lib.build("reduce_scatter", self.torus, variant)
+    ag = schedule_lib.build("all_gather", self.torus, variant)
+    if ceil_div(chunk_elements, rs.num_streams * LANES) < ROW_MULTIPLE:
+      # Too small to fill a tile per stream: padding every stream slice to a tile would
+      # multiply the bytes by the stream count, and a latency-bound collective gains
+      # nothing from more links. Stream 0 alone carries whole chunks (any stream of a
+      # schedule is a complete algorithm on its own).
+      rs, ag = (dataclasses.replace(s, streams=s.streams[:1]) for s in (rs, ag))
+    self.reduce_scatter, self.all_gather = rs, ag
+    self.streams = rs.num_streams
     rows = ceil_div(chunk_elements, self.streams * LANES)
     self.config = (config or KernelConfig()).resolve(rows, itemsize, device_kind)
     self.rows = ceil_div(rows, ROW_MULTIPLE) * ROW_MULTIPLE

@@ -23,8 +23,11 @@ Synchronisation:
 
 * an entry barrier (the kernel's barrier semaphore): a device writes into a neighbour only
   after that neighbour has entered the kernel;
-* one DMA semaphore per (stream, step, piece) on each side, so a DMA that lands early (in
-  whatever order the hardware completes them) is never mistaken for another;
+* one DMA semaphore per (stream, receive slot, piece) on each side, so a DMA that lands
+  early (in whatever order the hardware completes them) is never mistaken for another.
+  Step t + 2 reuses step t's: its sends start only after the capacity handshake below,
+  by which time the receiver has waited step t's semaphores back to zero, and the sender
+  waits for its step-t sends before step t + 1 starts;
 * reduce-scatter receive slots are double-buffered per stream; a sender waits on a capacity
   semaphore before reusing a slot, signalled by the receiver once it has added the slot's
   previous contents. Capacity semaphores are indexed by (stream, phase, slot), because the
@@ -67,12 +70,17 @@ from jax.experimental.pallas import tpu as pltpu
 from torus_collectives import schedule as schedule_lib
 
 _RECV_SLOTS = 2
+# Semaphores live in a small scoped memory (2 KiB, 512 of them, on v5e, where 840 did not
+# compile); leave room for the kernel's other scratch.
+_MAX_SEMAPHORES = 400
 
 # collective_id: barrier semaphores are per id. Two kernels that sync with different
 # neighbour sets must not share one: a device still before the entry barrier of a 1-D ring
 # on y would count a signal its x neighbour sent on entering the 2-D torus kernel, DMA into
 # a y neighbour that has not entered, and leave the barrier count off by one. So every
-# (kind, axes, torus) pattern gets its own id, a pure function of the pattern (every
+# (kind, axes, torus, links) pattern gets its own id -- links: the (axis, direction) pairs
+# the schedule uses, which differ between a one-stream and a split schedule on the same
+# axes -- a pure function of the pattern (every
 # process of a multi-host job computes the same id without coordination). Ids are drawn
 # from [_FIRST_ID, 2**15) -- TPU interpret mode stores them as int16 -- by a hash; a
 # process-wide table turns a hash collision between two patterns into an error at trace
@@ -82,13 +90,25 @@ _FIRST_ID = 16
 _ID_PATTERNS: dict[int, tuple] = {}
 
 
-def collective_id(kind: str, axes: Sequence[str], torus: Sequence[int]) -> int:
-  """The barrier collective_id of a ``kind`` kernel over ``axes`` of sizes ``torus``.
+def links(schedule: schedule_lib.Schedule) -> list[tuple[int, int]]:
+  """The (torus axis, direction) pairs ``schedule`` sends along (axes of size 1 excepted)."""
+  return sorted(
+    {
+      (p.axis, p.direction)
+      for phases in schedule.streams
+      for p in phases
+      if schedule.torus[p.axis] > 1
+    }
+  )
+
+
+def collective_id(kind: str, axes: Sequence[str], schedule: schedule_lib.Schedule) -> int:
+  """The barrier collective_id of a ``kind`` kernel running ``schedule`` over ``axes``.
 
   Raises:
     ValueError: if another pattern already traced in this process has the same id.
   """
-  pattern = (kind, tuple(axes), tuple(int(n) for n in torus))
+  pattern = (kind, tuple(axes), schedule.torus, tuple(links(schedule)))
   key = zlib.crc32(repr(pattern).encode())
   cid = _FIRST_ID + key % ((1 << 15) - _FIRST_ID)
   other = _ID_PATTERNS.setdefault(cid, pattern)
@@ -145,18 +165,11 @@ class _Topology:
 
   def barrier(self, schedule: schedule_lib.Schedule) -> None:
     """Tells every upstream neighbour we are here; waits until every downstream one is."""
-    links = sorted(
-      {
-        (p.axis, p.direction)
-        for phases in schedule.streams
-        for p in phases
-        if schedule.torus[p.axis] > 1
-      }
-    )
+    used = links(schedule)
     sem = pltpu.get_barrier_semaphore()
-    for axis, direction in links:
+    for axis, direction in used:
       pl.semaphore_signal(sem, 1, device_id=self.neighbour(axis, -direction))
-    pl.semaphore_wait(sem, len(links))
+    pl.semaphore_wait(sem, len(used))
 
 
 def _phase_index(schedule: schedule_lib.Schedule) -> list[list[int]]:
@@ -278,8 +291,8 @@ def _reduce_scatter_kernel(
           copy = pltpu.make_async_remote_copy(
             rows(src, piece),
             rows(dst, piece),
-            send_sems.at[tr.stream, t, k],
-            recv_sems.at[tr.stream, t, k],
+            send_sems.at[tr.stream, slot, k],
+            recv_sems.at[tr.stream, slot, k],
             device_id=topo.neighbour(tr.phase.axis, tr.phase.direction),
           )
           copy.start()
@@ -396,10 +409,17 @@ def reduce_scatter_call(
   Returns the work buffer: the own chunk ``[*coords]`` holds the full sum, the rest holds
   partial sums.
   """
-  steps, streams = schedule.num_steps, schedule.num_streams
+  streams = schedule.num_streams
   _, rows, lanes = x.shape[-3:]
   phases = max(len(p) for p in schedule.streams)
   slab_pieces = pieces(rows, block_rows)
+  semaphores = 2 * streams * _RECV_SLOTS * len(slab_pieces) + streams * phases * _RECV_SLOTS
+  if semaphores > _MAX_SEMAPHORES:
+    raise ValueError(
+      f"{len(slab_pieces)} pieces of {block_rows=} per slice of {rows} rows need "
+      f"{semaphores} semaphores, more than the {_MAX_SEMAPHORES} a kernel may hold; pass "
+      "a larger KernelConfig(block_rows=...)"
+    )
   kernel = functools.partial(
     _reduce_scatter_kernel,
     schedule,
@@ -412,8 +432,8 @@ def reduce_scatter_call(
     in_specs=[any_spec],
     out_specs=(any_spec, any_spec),
     scratch_shapes=[
-      pltpu.SemaphoreType.DMA((streams, steps, len(slab_pieces))),
-      pltpu.SemaphoreType.DMA((streams, steps, len(slab_pieces))),
+      pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS, len(slab_pieces))),
+      pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS, len(slab_pieces))),
       pltpu.SemaphoreType.REGULAR((streams, phases, _RECV_SLOTS)),
       pltpu.VMEM((2, min(block_rows, rows), lanes), x.dtype),
       pltpu.VMEM((2, min(block_rows, rows), lanes), x.dtype),
@@ -430,7 +450,7 @@ def reduce_scatter_call(
     grid_spec=grid_spec,
     cost_estimate=_schedule_cost(schedule, rows * lanes, x.dtype.itemsize, reduce=True),
     compiler_params=pltpu.CompilerParams(
-      collective_id=collective_id("reduce_scatter", axes, schedule.torus),
+      collective_id=collective_id("reduce_scatter", axes, schedule),
       has_side_effects=True,
     ),
     name=f"torus_reduce_scatter_{'_'.join(axes)}",
@@ -482,7 +502,7 @@ def all_gather_call(
       own_copy=0 if in_place else math.prod(chunk_shape),
     ),
     compiler_params=pltpu.CompilerParams(
-      collective_id=collective_id("all_gather", axes, schedule.torus),
+      collective_id=collective_id("all_gather", axes, schedule),
       has_side_effects=True,
     ),
     name=f"torus_all_gather_{'_'.join(axes)}",

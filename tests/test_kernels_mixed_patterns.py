@@ -39,19 +39,25 @@ import torus_collectives as tc
 
 AXES = ("x", "y")
 CHANNELS = 24  # per-channel statistics of the batch-norm group sum
+LANES = 128
 MARKER = "mixed patterns on 4x4 match lax"
 
 
 def step(v, implementation: str):
-  """One per-device "training step" mixing every communication pattern of the kernels."""
+  """One per-device "training step" mixing every communication pattern of the kernels.
+
+  Small buffers run one-stream schedules; the "gradient" all-reduce is large enough for
+  the split schedule's four streams (a tile per stream slice), which uses other links."""
   ar = lambda u, axes: tc.all_reduce(u, axes, implementation=implementation)  # noqa: E731
   # Batch-norm group over y: per-channel sums of an (rows, CHANNELS) activation.
   stats = ar(v.reshape(-1, CHANNELS).sum(0), "y")
   ring_x = ar(v, "x")
   torus = ar(v, AXES)
+  p = lax.axis_size(AXES)
+  gradient = ar(jnp.resize(v, p * 4 * 16 * LANES), AXES)
   shard = tc.reduce_scatter(v, AXES, tiled=True, implementation=implementation)
   gathered = tc.all_gather(shard, AXES, tiled=True, implementation=implementation)
-  return jnp.concatenate([stats, ring_x, torus, gathered])
+  return jnp.concatenate([stats, ring_x, torus, gradient[-v.size :], gathered])
 
 
 def program(implementation: str):
@@ -144,12 +150,14 @@ def test_each_pattern_has_its_own_collective_id(shape):
   ids: dict[int, set] = {}
   for eqn in _pallas_calls(jaxpr):
     cid = eqn.params["compiler_params"].collective_id
-    # The kernel's pattern: its name (kind and axes) and its chunk grid (the torus).
-    grid = eqn.params["out_avals"][0].shape[:-3]
+    # The kernel's pattern: its name (kind and axes), its chunk grid (the torus) and its
+    # number of streams (1 or the split schedule's, which use different links).
+    grid = eqn.params["out_avals"][0].shape[:-2]
     ids.setdefault(cid, set()).add((eqn.params["name"], grid))
   patterns = [pattern for group in ids.values() for pattern in group]
-  # ring y, ring x, 2-D torus, each as a reduce-scatter and an all-gather kernel.
-  assert len(set(patterns)) == 6, ids
+  # ring y, ring x, 2-D torus with one stream and 2-D torus split in four, each as a
+  # reduce-scatter and an all-gather kernel.
+  assert len(set(patterns)) == 8, ids
   assert all(len(group) == 1 for group in ids.values()), ids
 
 
