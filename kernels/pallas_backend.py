@@ -12,12 +12,12 @@ all-gather, which is exactly the all-reduce schedule (its streams are the reduce
 phases followed by the all-gather phases, in lockstep).
 
 Layout and padding: chunk ``c`` (``m`` elements) is zero-padded to ``S * R * 128`` elements
-and viewed as ``S`` stream slices of ``R`` rows of 128 lanes, ``R`` a multiple of 16 rows
-(the bfloat16 tiling). The all-reduce instead pads the whole buffer once at its end. Any
-``m``, ``n`` is accepted; the padding travels over the links, at most one 16-row tile per
-stream slice; chunks too small to give every stream a tile travel in one stream. Sizes
-with nothing to pad (``n`` a multiple of ``p * S * 16 * 128``) compile to the kernels
-alone: the reshapes are bitcasts, and nothing is copied between them.
+and viewed as ``S`` stream slices of ``R`` rows of 128 lanes, ``R`` a whole number of
+native tiles (8 rows for 32-bit types, 16 for 16-bit ones). The all-reduce instead pads
+the whole buffer once at its end. Any ``m``, ``n`` is accepted; the padding travels over
+the links, at most one tile per stream slice; chunks too small to give every stream a tile
+travel in one stream. Sizes with nothing to pad (``n`` a multiple of ``p * S * 16 * 128``)
+compile to the kernels alone: the reshapes are bitcasts, and nothing is copied between.
 
 dtypes: float32 and int32 reduce in their own type. bfloat16 and float16 partial sums
 travel in their own type (the wire bytes of the bound, 2(p-1)/p S, the format of XLA's
@@ -52,7 +52,7 @@ from jax import lax
 from torus_collectives import platform
 from torus_collectives import schedule as schedule_lib
 from torus_collectives._vma import ensure_varying
-from torus_collectives.configs import LANES, ROW_MULTIPLE, KernelConfig
+from torus_collectives.configs import LANES, KernelConfig
 from torus_collectives.kernels import torus_kernels
 from torus_collectives.layout import accumulation_dtype, ceil_div, pad_chunks, pad_to
 
@@ -100,7 +100,9 @@ class _Plan:
     variant = schedule_lib.default_variant(self.torus)
     rs = schedule_lib.build("reduce_scatter", self.torus, variant)
     ag = schedule_lib.build("all_gather", self.torus, variant)
-    if ceil_div(chunk_elements, rs.num_streams * LANES) < ROW_MULTIPLE:
+    # A native VMEM tile: 8 rows of 128 lanes for 32-bit types, 16 for 16-bit ones.
+    tile = max(8, 32 // itemsize)
+    if ceil_div(chunk_elements, rs.num_streams * LANES) < tile:
       # Too small to fill a tile per stream: padding every stream slice to a tile would
       # multiply the bytes by the stream count, and a latency-bound collective gains
       # nothing from more links. Stream 0 alone carries whole chunks (any stream of a
@@ -110,7 +112,7 @@ class _Plan:
     self.streams = rs.num_streams
     rows = ceil_div(chunk_elements, self.streams * LANES)
     self.config = (config or KernelConfig()).resolve(rows, itemsize, device_kind)
-    self.rows = ceil_div(rows, ROW_MULTIPLE) * ROW_MULTIPLE
+    self.rows = ceil_div(rows, tile) * tile
     self.chunk_shape = (self.streams, self.rows, LANES)
 
   def own_index(self) -> tuple:

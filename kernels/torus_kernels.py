@@ -40,7 +40,8 @@ pass inputs already varying over the torus axes.
 Assumptions: the reduce-scatter sums 32-bit integers and floats in their own type and
 16-bit floats in float32 in VMEM, rounding each hop's sum back to the buffer's type, so
 partial sums travel at the input's width; the all-gather moves any 16- or 32-bit type;
-``R`` is a multiple of 16; the kernels run inside a ``shard_map`` that binds every
+``R`` is a whole number of native tiles (8 rows for 32-bit types, 16 for 16-bit ones);
+the kernels run inside a ``shard_map`` that binds every
 axis of its mesh (device ids are mesh coordinates over all of them).
 
 Pipelining: a reduce-scatter slab is sent as pieces of ``block_rows`` rows of every chunk
@@ -189,7 +190,7 @@ def _add(a: jax.Array, b: jax.Array) -> jax.Array:
 
 def pieces(rows: int, block_rows: int) -> list[tuple[int, int]]:
   """``(first row, rows)`` of the pieces a slab's ``rows`` are cut into: whole blocks, then
-  the remainder (slices are padded to whole 16-row tiles only, not whole blocks)."""
+  the remainder (slices are padded to whole tiles only, not whole blocks)."""
   return [(start, min(block_rows, rows - start)) for start in range(0, rows, block_rows)]
 
 

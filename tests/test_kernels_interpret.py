@@ -245,3 +245,15 @@ def test_all_reduce_pieces_and_padding(n, block_rows):
     x,
   )
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("dtype,rows", [(jnp.float32, 24), (jnp.bfloat16, 32)])
+def test_stream_slices_are_padded_to_one_native_tile_at_most(dtype, rows):
+  """17 rows per stream slice pad to 24 (8-row tiles) in 32-bit types, 32 (16-row tiles)
+  in 16-bit ones. Tracing only."""
+  mesh, p = _mesh((2, 4)), 8
+  fn = _per_device(lambda v: kernels.all_reduce(v, AXES, (2, 4)), mesh, AXES)
+  with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+    jaxpr = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((8, p * 4 * 17 * 128), dtype)).jaxpr
+  calls = list(_equations(jaxpr, "pallas_call"))
+  assert calls[0].params["out_avals"][0].shape == (2, 4, 4, rows, 128)
