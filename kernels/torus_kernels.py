@@ -6,12 +6,17 @@ lanes. Every transfer of the schedule moves one slab (the chunks of the grid tha
 live, at one index along the phase's axis, in one stream) to the ring neighbour:
 
 * reduce-scatter: the slab goes HBM -> neighbour's HBM receive slot by remote DMA (one
-  slot array per stream, shaped like its first slab: on a 3-D torus that slab spans two
-  grid axes, and a DMA needs the same shape on both sides); the receiver then adds it to
-  its own partial sums, streaming both through VMEM in blocks of ``block_rows`` x 128. The
-  work buffer is the (aliased) input, so the own chunk ends up fully reduced in place.
+  slot array per stream, shaped like its first, largest slab: on a 3-D torus that slab
+  spans two grid axes, and a DMA needs the same shape on both sides, so no slot is a
+  flattened view); the receiver then adds it to its own partial sums, streaming both
+  through VMEM in blocks of ``block_rows`` x 128, and stores the sum in the work buffer
+  (the kernel's output). The first phase of each stream reads its own terms from the
+  input, later phases from the work buffer, so the input is only read (XLA need not copy
+  an input it may not clobber) and the own chunk ends up fully reduced in the work buffer.
 * all-gather: the slab goes straight from the sender's output buffer into the same place in
   the receiver's output buffer; every place is written exactly once, so no staging is needed.
+  Given a reduce-scatter's work buffer (the own chunk reduced in place), the all-gather
+  aliases it as its output, so the all-reduce is the two kernels with no copy between.
 
 The streams of a step run concurrently: all their DMAs are started before any is waited on,
 so on the 2-D split schedule the +x, -x, +y and -y links of a chip carry traffic together
@@ -21,8 +26,11 @@ Synchronisation:
 
 * an entry barrier (the kernel's barrier semaphore): a device writes into a neighbour only
   after that neighbour has entered the kernel;
-* one DMA semaphore per (stream, step) on each side, so a DMA that lands early (in whatever
-  order the hardware completes them) is never mistaken for another;
+* one DMA semaphore per (stream, receive slot, piece) on each side, so a DMA that lands
+  early (in whatever order the hardware completes them) is never mistaken for another.
+  Step t + 2 reuses step t's: its sends start only after the capacity handshake below,
+  by which time the receiver has waited step t's semaphores back to zero, and the sender
+  waits for its step-t sends before step t + 1 starts;
 * reduce-scatter receive slots are double-buffered per stream; a sender waits on a capacity
   semaphore before reusing a slot, signalled by the receiver once it has added the slot's
   previous contents. Capacity semaphores are indexed by (stream, phase, slot), because the
@@ -32,21 +40,29 @@ Synchronisation:
 Under ``shard_map(check_vma=True)`` the outputs carry the input's varying axes, so callers
 pass inputs already varying over the torus axes.
 
-Assumptions: the reduce-scatter sums integers and float32 (callers widen bfloat16 and
-float16 to float32 first); the all-gather moves any 16- or 32-bit type;
-``R`` is a multiple of ``block_rows``; the kernels run inside a ``shard_map`` that binds every
+Assumptions: the reduce-scatter sums 32-bit integers and floats in their own type and
+16-bit floats in float32 in VMEM, rounding each hop's sum back to the buffer's type, so
+partial sums travel at the input's width; the all-gather moves any 16- or 32-bit type;
+``R`` is a whole number of native tiles (8 rows for 32-bit types, 16 for 16-bit ones);
+the kernels run inside a ``shard_map`` that binds every
 axis of its mesh (device ids are mesh coordinates over all of them).
 
-Not done (yet): within one stream, a step's reduction starts only once the whole slab has
-arrived, so a stream's link idles while it reduces (the other streams' DMAs overlap it);
-splitting slabs into DMA-sized pieces would pipeline the two. Nothing here has run on a TPU:
-the kernels are verified in TPU interpret mode and compile for v4, v5e, v5p and v6e.
+Pipelining: a reduce-scatter slab is sent as pieces of ``block_rows`` rows of every chunk
+(the last piece may be shorter), each its own DMA with its own semaphore pair, all started
+at once; the receiver adds piece k (interleaving the streams) as soon as it has landed,
+while pieces k + 1, ... are still on the link. So within a step only the last piece's add
+is not hidden behind the link (``cost_model.predict(reduce_pieces=...)`` prices this).
+The next step's sends still start only when the step's adds are done.
+
+Nothing here has run on a TPU: the kernels are verified in TPU interpret mode and compile
+for v4, v5e, v5p and v6e.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import zlib
 from collections.abc import Sequence
 
 import jax
@@ -56,13 +72,56 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from torus_collectives import schedule as schedule_lib
-from torus_collectives._vma import varying_like
 
-# Barrier semaphores are per collective id; the two kernels use distinct ones so that a
-# device entering one kernel never mixes its barrier signals with a neighbour's other kernel.
-_REDUCE_SCATTER_COLLECTIVE_ID = 7
-_ALL_GATHER_COLLECTIVE_ID = 8
 _RECV_SLOTS = 2
+# Semaphores live in a small scoped memory (2 KiB, 512 of them, on v5e, where 840 did not
+# compile); leave room for the kernel's other scratch.
+_MAX_SEMAPHORES = 400
+
+# collective_id: barrier semaphores are per id. Two kernels that sync with different
+# neighbour sets must not share one: a device still before the entry barrier of a 1-D ring
+# on y would count a signal its x neighbour sent on entering the 2-D torus kernel, DMA into
+# a y neighbour that has not entered, and leave the barrier count off by one. So every
+# (kind, axes, torus, links) pattern gets its own id -- links: the (axis, direction) pairs
+# the schedule uses, which differ between a one-stream and a split schedule on the same
+# axes -- a pure function of the pattern (every
+# process of a multi-host job computes the same id without coordination). Ids are drawn
+# from [_FIRST_ID, 2**15) -- TPU interpret mode stores them as int16 -- by a hash; a
+# process-wide table turns a hash collision between two patterns into an error at trace
+# time instead of a silent shared barrier. (jax's barrier-semaphore tags would let XLA
+# assign ids, but interpret mode does not support them, so they could not be tested.)
+_FIRST_ID = 16
+_ID_PATTERNS: dict[int, tuple] = {}
+
+
+def links(schedule: schedule_lib.Schedule) -> list[tuple[int, int]]:
+  """The (torus axis, direction) pairs ``schedule`` sends along (axes of size 1 excepted)."""
+  return sorted(
+    {
+      (p.axis, p.direction)
+      for phases in schedule.streams
+      for p in phases
+      if schedule.torus[p.axis] > 1
+    }
+  )
+
+
+def collective_id(kind: str, axes: Sequence[str], schedule: schedule_lib.Schedule) -> int:
+  """The barrier collective_id of a ``kind`` kernel running ``schedule`` over ``axes``.
+
+  Raises:
+    ValueError: if another pattern already traced in this process has the same id.
+  """
+  pattern = (kind, tuple(axes), schedule.torus, tuple(links(schedule)))
+  key = zlib.crc32(repr(pattern).encode())
+  cid = _FIRST_ID + key % ((1 << 15) - _FIRST_ID)
+  other = _ID_PATTERNS.setdefault(cid, pattern)
+  if other != pattern:
+    raise ValueError(
+      f"collective_id {cid} of {pattern} collides with {other}; the two kernels would share "
+      "a barrier semaphore. Rename one of the mesh axes."
+    )
+  return cid
 
 
 def _mod(x, n: int):
@@ -110,18 +169,11 @@ class _Topology:
 
   def barrier(self, schedule: schedule_lib.Schedule) -> None:
     """Tells every upstream neighbour we are here; waits until every downstream one is."""
-    links = sorted(
-      {
-        (p.axis, p.direction)
-        for phases in schedule.streams
-        for p in phases
-        if schedule.torus[p.axis] > 1
-      }
-    )
+    used = links(schedule)
     sem = pltpu.get_barrier_semaphore()
-    for axis, direction in links:
+    for axis, direction in used:
       pl.semaphore_signal(sem, 1, device_id=self.neighbour(axis, -direction))
-    pl.semaphore_wait(sem, len(links))
+    pl.semaphore_wait(sem, len(used))
 
 
 def _phase_index(schedule: schedule_lib.Schedule) -> list[list[int]]:
@@ -132,34 +184,48 @@ def _phase_index(schedule: schedule_lib.Schedule) -> list[list[int]]:
   return out
 
 
-def _accumulate(dst, src, own_bufs, in_bufs, sems) -> None:
-  """``dst += src`` for two ``(*chunks, R, 128)`` HBM views, block by block through VMEM.
+def _add(a: jax.Array, b: jax.Array) -> jax.Array:
+  """``a + b`` in ``a``'s type; 16-bit floats add in float32 and round once."""
+  if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4:
+    return (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)
+  return a + b
+
+
+def pieces(rows: int, block_rows: int) -> list[tuple[int, int]]:
+  """``(first row, rows)`` of the pieces a slab's ``rows`` are cut into: whole blocks, then
+  the remainder (slices are padded to whole tiles only, not whole blocks)."""
+  return [(start, min(block_rows, rows - start)) for start in range(0, rows, block_rows)]
+
+
+def _accumulate(dst, own, src, own_bufs, in_bufs, sems) -> None:
+  """``dst = own + src`` for ``(*chunks, rows, 128)`` HBM views, ``rows`` at most a VMEM
+  block, chunk by chunk through VMEM.
 
   ``chunks`` is one grid dimension or more (a slab of a 3-D torus can span two).
-  Double-buffered: block ``i + 1`` loads while block ``i`` is added and stored back.
+  ``own`` is ``dst`` itself or the same place in the kernel's input. Double-buffered:
+  chunk ``i + 1`` loads while chunk ``i`` is added and stored.
   ``sems[0|1|2, slot]`` track the own load, the received load and the store of a slot.
   """
   *chunks, rows, _ = dst.shape
-  block = own_bufs.shape[1]
-  per_chunk = rows // block
-  total = math.prod(chunks) * per_chunk
+  total = math.prod(chunks)
+  own_vmem = own_bufs.at[:, pl.ds(0, rows)]
+  in_vmem = in_bufs.at[:, pl.ds(0, rows)]
 
-  def place(i):
-    index, rest = [], i // per_chunk
+  def chunk(i):
+    index, rest = [], i
     for size in reversed(chunks):  # row-major over the chunk dimensions
       index.insert(0, rest % size)
       rest = rest // size
-    return *index, pl.ds(pl.multiple_of((i % per_chunk) * block, block), block)
+    return tuple(index)
 
   def loads(i, slot):
-    where = place(i)
     return (
-      pltpu.make_async_copy(dst.at[where], own_bufs.at[slot], sems.at[0, slot]),
-      pltpu.make_async_copy(src.at[where], in_bufs.at[slot], sems.at[1, slot]),
+      pltpu.make_async_copy(own.at[chunk(i)], own_vmem.at[slot], sems.at[0, slot]),
+      pltpu.make_async_copy(src.at[chunk(i)], in_vmem.at[slot], sems.at[1, slot]),
     )
 
   def store(i, slot):
-    return pltpu.make_async_copy(own_bufs.at[slot], dst.at[place(i)], sems.at[2, slot])
+    return pltpu.make_async_copy(own_vmem.at[slot], dst.at[chunk(i)], sems.at[2, slot])
 
   for copy in loads(0, 0):
     copy.start()
@@ -178,7 +244,7 @@ def _accumulate(dst, src, own_bufs, in_bufs, sems) -> None:
       for copy in loads(i + 1, 1 - slot):
         copy.start()
 
-    own_bufs[slot] = own_bufs[slot] + in_bufs[slot]
+    own_vmem[slot] = _add(own_vmem[slot], in_vmem[slot])
     store(i, slot).start()
     return carry
 
@@ -213,14 +279,24 @@ def _recv_view(recv_ref, slot: int, transfer: schedule_lib.Transfer, schedule):
   return recv_ref.at[(slot, *index)]
 
 
-def _reduce_scatter_kernel(schedule, topo_args, coords_ref, x_ref, acc_ref, *refs):
-  del x_ref  # aliased with acc_ref: the reduction works in place
+def _reduce_scatter_kernel(schedule, topo_args, slab_pieces, coords_ref, x_ref, acc_ref, *refs):
   streams = schedule.num_streams
   recv_refs = refs[:streams]  # one per stream: (slots, *its first slab's chunks, R, 128)
   send_sems, recv_sems, capacity, buf_own, buf_in, local_sems = refs[streams:]
   topo = _Topology(*topo_args, coords_ref)
   steps = schedule.steps()
   phase_of = _phase_index(schedule)
+
+  def own_terms(tr, t):
+    # In a stream's first phase no slab is received twice, so the own term of every add
+    # is still the input's; later phases add to sums this kernel stored. The input is
+    # only ever read, so XLA need not copy an input it may not clobber.
+    return x_ref if phase_of[tr.stream][t] == phase_of[tr.stream][0] else acc_ref
+
+  def rows(view, piece):  # rows [start, start + size) of every chunk of a slab view
+    start, size = piece
+    return view.at[(slice(None),) * (len(view.shape) - 2) + (pl.ds(start, size),)]
+
   with jax.named_scope("barrier"):
     topo.barrier(schedule)
   for t, transfers in enumerate(steps):
@@ -228,23 +304,41 @@ def _reduce_scatter_kernel(schedule, topo_args, coords_ref, x_ref, acc_ref, *ref
     copies = []
     with jax.named_scope(f"send_step{t}"):
       for tr in transfers:
-        src = topo.slab_view(acc_ref, tr, topo.slab(tr.phase, tr.step, sending=True))
+        # Step 0 sends the input's terms; every later slab sent was summed a step before.
+        src = topo.slab_view(
+          x_ref if t == 0 else acc_ref, tr, topo.slab(tr.phase, tr.step, sending=True)
+        )
+        dst = _recv_view(recv_refs[tr.stream], slot, tr, schedule)
         if t >= _RECV_SLOTS:  # the downstream slot still holds step t - 2 until freed
           pl.semaphore_wait(capacity.at[tr.stream, phase_of[tr.stream][t], slot], 1)
-        copy = pltpu.make_async_remote_copy(
-          src,
-          _recv_view(recv_refs[tr.stream], slot, tr, schedule),
-          send_sems.at[tr.stream, t],
-          recv_sems.at[tr.stream, t],
-          device_id=topo.neighbour(tr.phase.axis, tr.phase.direction),
-        )
-        copy.start()
-        copies.append(copy)
+        # One DMA (and semaphore pair) per piece: the receiver adds piece k while the
+        # link still carries pieces k + 1, ...
+        piece_copies = []
+        for k, piece in enumerate(slab_pieces):
+          copy = pltpu.make_async_remote_copy(
+            rows(src, piece),
+            rows(dst, piece),
+            send_sems.at[tr.stream, slot, k],
+            recv_sems.at[tr.stream, slot, k],
+            device_id=topo.neighbour(tr.phase.axis, tr.phase.direction),
+          )
+          copy.start()
+          piece_copies.append(copy)
+        copies.append(piece_copies)
     with jax.named_scope(f"reduce_step{t}"):
-      for tr, copy in zip(transfers, copies):
-        copy.wait_recv()
-        dst = topo.slab_view(acc_ref, tr, topo.slab(tr.phase, tr.step, sending=False))
-        _accumulate(dst, copy.dst_ref, buf_own, buf_in, local_sems)
+      for k, piece in enumerate(slab_pieces):
+        for tr, piece_copies in zip(transfers, copies):
+          piece_copies[k].wait_recv()
+          place = topo.slab(tr.phase, tr.step, sending=False)
+          _accumulate(
+            rows(topo.slab_view(acc_ref, tr, place), piece),
+            rows(topo.slab_view(own_terms(tr, t), tr, place), piece),
+            piece_copies[k].dst_ref,
+            buf_own,
+            buf_in,
+            local_sems,
+          )
+      for tr in transfers:
         if t + _RECV_SLOTS < len(steps):  # free the slot for whoever fills it next
           later = steps[t + _RECV_SLOTS][tr.stream].phase
           pl.semaphore_signal(
@@ -252,17 +346,21 @@ def _reduce_scatter_kernel(schedule, topo_args, coords_ref, x_ref, acc_ref, *ref
             1,
             device_id=topo.neighbour(later.axis, -later.direction),
           )
-      for copy in copies:
-        copy.wait_send()
+      for piece_copies in copies:
+        for copy in piece_copies:
+          copy.wait_send()
 
 
 def _all_gather_kernel(
   schedule, topo_args, coords_ref, x_ref, out_ref, send_sems, recv_sems, local_sem
 ):
   topo = _Topology(*topo_args, coords_ref)
-  own = pltpu.make_async_copy(x_ref, out_ref.at[topo.coords], local_sem)
-  own.start()
-  own.wait()
+  if x_ref.shape != out_ref.shape:  # the own chunk alone: place it first
+    own = pltpu.make_async_copy(x_ref, out_ref.at[topo.coords], local_sem)
+    own.start()
+    own.wait()
+  else:  # the whole grid, aliased with the output: the own chunk is already in place
+    del x_ref, local_sem
   with jax.named_scope("barrier"):
     topo.barrier(schedule)
   for t, transfers in enumerate(schedule.steps()):
@@ -288,12 +386,22 @@ def _all_gather_kernel(
 
 
 def _schedule_cost(
-  schedule: schedule_lib.Schedule, slice_elements: int, itemsize: int, *, reduce: bool
+  schedule: schedule_lib.Schedule,
+  slice_elements: int,
+  itemsize: int,
+  *,
+  reduce: bool,
+  own_copy: int = 0,
 ) -> pl.CostEstimate:
   """The kernel's cost for XLA's scheduler, priced from the schedule itself.
 
-  Per element a device sends: one HBM read to send and one HBM write on arrival; a
-  reduction adds two reads and a write (own + received -> own) and one add.
+  Counted per element a device sends (``sent``, summed over the schedule's transfers): one
+  HBM read by the sending DMA and one HBM write where it lands (remote, but in some
+  chip's HBM). A reduction adds, per received element, two HBM reads into VMEM (own
+  partial sum and received one), one HBM write of the sum, and one add: 5 HBM accesses
+  per element sent in all, 2 without reduction. ``own_copy`` elements copied locally
+  (the all-gather placing its own chunk) cost a read and a write each. Over a ring
+  reduce-scatter plus all-gather of S bytes on p devices this is the ideal 7 (p-1)/p S.
   """
   sent = sum(
     t.slab_elements(schedule.torus, slice_elements) for step in schedule.steps() for t in step
@@ -301,9 +409,15 @@ def _schedule_cost(
   return pl.CostEstimate(
     flops=sent if reduce else 0,
     transcendentals=0,
-    bytes_accessed=(5 if reduce else 2) * sent * itemsize,
+    bytes_accessed=((5 if reduce else 2) * sent + 2 * own_copy) * itemsize,
     remote_bytes_transferred=sent * itemsize,
   )
+
+
+def _hbm_like(x: jax.Array, shape):
+  """An output type of ``shape`` in HBM, varying over the same mesh axes as ``x``. Left
+  free, XLA may place a small output in another memory space and copy it out again."""
+  return pltpu.HBM.from_type(jax.typeof(x).update(shape=tuple(shape), weak_type=False))
 
 
 def reduce_scatter_call(
@@ -318,11 +432,22 @@ def reduce_scatter_call(
   Returns the work buffer: the own chunk ``[*coords]`` holds the full sum, the rest holds
   partial sums.
   """
-  steps, streams = schedule.num_steps, schedule.num_streams
+  streams = schedule.num_streams
   _, rows, lanes = x.shape[-3:]
   phases = max(len(p) for p in schedule.streams)
+  slab_pieces = pieces(rows, block_rows)
+  semaphores = 2 * streams * _RECV_SLOTS * len(slab_pieces) + streams * phases * _RECV_SLOTS
+  if semaphores > _MAX_SEMAPHORES:
+    raise ValueError(
+      f"{len(slab_pieces)} pieces of {block_rows=} per slice of {rows} rows need "
+      f"{semaphores} semaphores, more than the {_MAX_SEMAPHORES} a kernel may hold; pass "
+      "a larger KernelConfig(block_rows=...)"
+    )
   kernel = functools.partial(
-    _reduce_scatter_kernel, schedule, (tuple(axes), schedule.torus, tuple(mesh_axes))
+    _reduce_scatter_kernel,
+    schedule,
+    (tuple(axes), schedule.torus, tuple(mesh_axes)),
+    slab_pieces,
   )
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -330,11 +455,11 @@ def reduce_scatter_call(
     in_specs=[any_spec],
     out_specs=(any_spec,) * (1 + streams),
     scratch_shapes=[
-      pltpu.SemaphoreType.DMA((streams, steps)),
-      pltpu.SemaphoreType.DMA((streams, steps)),
+      pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS, len(slab_pieces))),
+      pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS, len(slab_pieces))),
       pltpu.SemaphoreType.REGULAR((streams, phases, _RECV_SLOTS)),
-      pltpu.VMEM((2, block_rows, lanes), x.dtype),
-      pltpu.VMEM((2, block_rows, lanes), x.dtype),
+      pltpu.VMEM((2, min(block_rows, rows), lanes), x.dtype),
+      pltpu.VMEM((2, min(block_rows, rows), lanes), x.dtype),
       pltpu.SemaphoreType.DMA((3, 2)),
     ],
   )
@@ -343,14 +468,14 @@ def reduce_scatter_call(
   recv_shapes = [(_RECV_SLOTS, *_recv_shape(schedule, k), rows, lanes) for k in range(streams)]
   acc, *_ = pl.pallas_call(
     kernel,
-    out_shape=(varying_like(x, x.shape), *(varying_like(x, shape) for shape in recv_shapes)),
+    out_shape=(_hbm_like(x, x.shape), *(_hbm_like(x, shape) for shape in recv_shapes)),
     grid_spec=grid_spec,
-    input_output_aliases={1: 0},  # operand 0 is the coordinates
     cost_estimate=_schedule_cost(schedule, rows * lanes, x.dtype.itemsize, reduce=True),
     compiler_params=pltpu.CompilerParams(
-      collective_id=_REDUCE_SCATTER_COLLECTIVE_ID, has_side_effects=True
+      collective_id=collective_id("reduce_scatter", axes, schedule),
+      has_side_effects=True,
     ),
-    name="torus_reduce_scatter",
+    name=f"torus_reduce_scatter_{'_'.join(axes)}",
   )(mesh_coordinates(mesh_axes), x)
   return acc
 
@@ -361,11 +486,16 @@ def all_gather_call(
   axes: Sequence[str],
   mesh_axes: Sequence[str],
 ) -> jax.Array:
-  """Runs an all-gather ``schedule`` on the own chunk ``x`` of shape ``(S, R, 128)``.
+  """Runs an all-gather ``schedule``; returns the full grid ``(*torus, S, R, 128)``.
 
-  Returns the full grid ``(*torus, S, R, 128)``.
+  ``x`` is either the own chunk ``(S, R, 128)``, which the kernel copies into its place
+  first, or a whole grid ``(*torus, S, R, 128)`` whose own chunk ``[*coords]`` is the one to
+  gather (a reduce-scatter's work buffer): then the grid is the output, aliased, and the
+  rest of it is overwritten, so the hand-over from a reduce-scatter copies nothing.
   """
   steps, streams = schedule.num_steps, schedule.num_streams
+  chunk_shape = x.shape[-3:]
+  in_place = x.shape == schedule.torus + chunk_shape
   kernel = functools.partial(
     _all_gather_kernel, schedule, (tuple(axes), schedule.torus, tuple(mesh_axes))
   )
@@ -380,15 +510,22 @@ def all_gather_call(
       pltpu.SemaphoreType.DMA(()),
     ],
   )
+  chunk_elements = chunk_shape[-2] * chunk_shape[-1]
   return pl.pallas_call(
     kernel,
-    out_shape=varying_like(x, schedule.torus + x.shape),
+    out_shape=_hbm_like(x, schedule.torus + chunk_shape),
     grid_spec=grid_spec,
+    input_output_aliases={1: 0} if in_place else {},
     cost_estimate=_schedule_cost(
-      schedule, x.shape[-2] * x.shape[-1], x.dtype.itemsize, reduce=False
+      schedule,
+      chunk_elements,
+      x.dtype.itemsize,
+      reduce=False,
+      own_copy=0 if in_place else math.prod(chunk_shape),
     ),
     compiler_params=pltpu.CompilerParams(
-      collective_id=_ALL_GATHER_COLLECTIVE_ID, has_side_effects=True
+      collective_id=collective_id("all_gather", axes, schedule),
+      has_side_effects=True,
     ),
-    name="torus_all_gather",
+    name=f"torus_all_gather_{'_'.join(axes)}",
   )(mesh_coordinates(mesh_axes), x)

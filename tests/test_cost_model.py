@@ -1,6 +1,7 @@
 """The alpha-beta cost model against the numpy schedule executor and hand-derived costs."""
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -230,3 +231,26 @@ def test_snake_visits_every_chip_of_a_3d_torus_through_neighbours():
   assert sorted(order) == list(np.ndindex(2, 3, 4))
   for a, b in zip(order, order[1:] + order[:1]):
     assert sum(x != y for x, y in zip(a, b)) == 1
+
+
+@pytest.mark.parametrize(("generation", "torus"), [(V5E, (16, 16)), (V5P, (8, 8, 8))])
+def test_pipelined_adds_hide_behind_the_links(generation, torus):
+  """Unpipelined, a reduce-scatter step is transfer + add; in k pieces the add overlaps
+  the transfer but for one piece, so the exposed add falls by k when the link dominates."""
+  nbytes, p = cm.RESNET50_PARAMS * 4, math.prod(torus)
+
+  def predict(collective, **kw):
+    return cm.predict(collective, torus, "torus_split", nbytes, generation, **kw)
+
+  link_only = predict("reduce_scatter")
+  whole = predict("reduce_scatter", reduce_pieces=1)
+  piped = predict("reduce_scatter", reduce_pieces=8)
+  # every received byte: 2 reads, 1 write
+  adds = 3 * (p - 1) / p * nbytes / generation.hbm_bandwidth
+  assert link_only.reduce_s == 0
+  assert whole.reduce_s == pytest.approx(adds, rel=1e-9)
+  assert piped.reduce_s == pytest.approx(adds / 8, rel=1e-9)
+  assert link_only.time_s < piped.time_s < whole.time_s
+  assert predict("all_gather", reduce_pieces=1).reduce_s == 0
+  with pytest.raises(ValueError, match="reduce_pieces"):
+    predict("all_reduce", reduce_pieces=0)

@@ -34,6 +34,38 @@ def test_all_reduce_compiles_small(topology, dtype):
   assert compiled.as_text().count(MOSAIC) >= 2
 
 
+# Per-device elements that fill whole 16-row tiles on 8 and 16 devices with 4 streams, two
+# tiles per stream slice: the kernels cut each slab into two pieces.
+ALIGNED = 16 * 4 * 2 * 16 * 128
+
+
+@pytest.mark.parametrize(
+  "topology,dtype",
+  [
+    ("v4:2x2x2", jnp.float32),
+    ("v5e:4x4", jnp.bfloat16),
+    ("v5p:2x2x2", jnp.bfloat16),
+    ("v6e:4x4", jnp.float32),
+  ],
+)
+def test_all_reduce_is_the_kernels_alone_at_the_traffic_floor(topology, dtype):
+  """No pad, convert, slice or copy of the buffer outside the kernels, and bytes accessed
+  within 1.05x of the ideal 7 (p-1)/p S. The one copy allowed is XLA moving the result
+  out of the kernel's buffer because it is the program's output (a consumer of the result
+  reads it in place); its bytes are not the collective's."""
+  mesh = aot_report.topology_mesh(topology)
+  compiled = aot_report.lower_all_reduce(mesh, ALIGNED, dtype, "pallas").compile()
+  glue = aot_report.glue(compiled)
+  output_copy = [g for g in glue if g["root"] and g["op"] == "copy"]
+  assert [g for g in glue if g not in output_copy] == [], aot_report.describe(glue)
+  nbytes = ALIGNED * jnp.dtype(dtype).itemsize
+  collective = aot_report.summary(compiled)["bytes accessed"] - 2 * sum(
+    g["bytes"] for g in output_copy
+  )
+  ideal = aot_report.ideal_bytes(mesh.size, nbytes)
+  assert ideal <= collective <= 1.05 * ideal
+
+
 def test_ring_on_one_axis_compiles():
   """The bidirectional ring along one axis of a 2-D mesh (the other axis in device ids)."""
   mesh = aot_report.topology_mesh("v5e:4x4")

@@ -57,3 +57,19 @@ def test_3d_meshes_follow_chip_coordinates():
   mesh = tc.make_torus_mesh((2, 2, 4), XYZ, devices=_devices("v4:2x2x2"))
   for (i, j, k), device in np.ndenumerate(mesh.devices):
     assert (tuple(device.coords), device.core_on_chip) == ((i, j, k // 2), k % 2)
+
+
+def test_split_3d_all_reduce_is_the_kernels_alone_at_the_traffic_floor():
+  """As the 2-D floor test in test_kernels_aot: six streams with whole 16-row tiles (no
+  padding), no glue but the program's output copy, bytes within 1.05x of 7 (p-1)/p S."""
+  mesh = tc.make_torus_mesh((2, 2, 2), XYZ, devices=_devices("v5p:2x2x2"))
+  elements = 8 * 6 * 16 * 128 * 4
+  compiled = aot_report.lower_all_reduce(mesh, elements, jnp.bfloat16, "pallas", XYZ).compile()
+  glue = aot_report.glue(compiled)
+  output_copy = [g for g in glue if g["root"] and g["op"] == "copy"]
+  assert [g for g in glue if g not in output_copy] == [], aot_report.describe(glue)
+  collective = aot_report.summary(compiled)["bytes accessed"] - 2 * sum(
+    g["bytes"] for g in output_copy
+  )
+  ideal = aot_report.ideal_bytes(mesh.size, elements * 2)
+  assert ideal <= collective <= 1.05 * ideal

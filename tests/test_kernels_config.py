@@ -34,3 +34,23 @@ def test_all_reduce_schedule_is_reduce_scatter_then_all_gather(torus):
   )
   assert ar.streams == tuple(r + a for r, a in zip(rs.streams, ag.streams))
   assert ar.steps() == rs.steps() + ag.steps()
+
+
+def test_float32_partials_must_be_a_bool():
+  with pytest.raises(ValueError, match="float32_partials"):
+    config_lib.KernelConfig(float32_partials="yes")
+
+
+@pytest.mark.parametrize("rows", [1, 16, 100, 208, 3120, 100_000])
+def test_unset_block_rows_come_from_the_shape_and_generation(rows):
+  """Unset, block_rows is the default for the shape and generation: the smallest whole
+  number of 16-row tiles that cuts a slice into at most PIECES pipelined pieces (more only
+  when VMEM caps the block); set, it is kept."""
+  resolved = config_lib.KernelConfig(float32_partials=True).resolve(rows, 4, "TPU v5 lite")
+  assert resolved.float32_partials
+  assert resolved.block_rows == config_lib.KernelConfig.default(rows, 4, "TPU v5 lite").block_rows
+  block, tile = resolved.block_rows, config_lib.ROW_MULTIPLE
+  capped = block * 4 * 128 * 4 * 8 > (16 << 20) - 4 * 128 * 4 * 8 * tile
+  assert -(-rows // block) <= config_lib.PIECES or capped
+  assert block == tile or (block - tile) * config_lib.PIECES < rows
+  assert config_lib.KernelConfig(block_rows=32).resolve(rows, 4, "TPU v5 lite").block_rows == 32

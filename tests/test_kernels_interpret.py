@@ -10,6 +10,7 @@ multi-block all-reduce runs eagerly on the 4x4 torus in test_kernels_interpret_4
 """
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -106,9 +107,12 @@ def test_kernel_matches_lax(collective, shape, axes, dtype, integers, chunk, mod
   x = _inputs(dtype, (8, INPUT_ELEMENTS[collective](p, chunk)), integers)
   want = _per_device(LAX[collective](axes), mesh, axes)(x)
   ours = getattr(kernels, collective)
-  got = interpreted(
-    mode, _per_device(lambda v: ours(v, axes, torus, config=SMALL_BLOCKS), mesh, axes), x
+  # Random 16-bit floats are summed with float32 partials, rounded once like lax's sum on
+  # CPU; integers exercise the default (16-bit partial sums, exact for small integers).
+  config = config_lib.KernelConfig(
+    block_rows=SMALL_BLOCKS.block_rows, float32_partials=not integers
   )
+  got = interpreted(mode, _per_device(lambda v: ours(v, axes, torus, config=config), mesh, axes), x)
   got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
   assert not np.isnan(got).any()
   if integers or collective == "all_gather":
@@ -158,3 +162,98 @@ def test_auto_is_xla_on_cpu():
 
   _per_device(record, _mesh((2, 4)), AXES)(jnp.ones((8, 4)))
   assert seen == ["xla"]
+
+
+def _equations(jaxpr, primitive: str):
+  """Every ``primitive`` equation in ``jaxpr``, inside sub-jaxprs too (not kernel bodies)."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == primitive:
+      yield eqn
+    if eqn.primitive.name == "pallas_call":
+      continue
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          sub = sub.jaxpr
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          yield from _equations(sub, primitive)
+
+
+@pytest.mark.parametrize("float32_partials", [False, True])
+def test_bfloat16_wire_bytes_and_types(float32_partials):
+  """bf16 partial sums travel as bf16 (the bound 2(p-1)/p S), unless asked for float32.
+
+  Tracing only: the kernels' operand types and declared remote bytes, and whether any
+  conversion runs outside them."""
+  mesh, p = _mesh((2, 4)), 8
+  n = p * 4 * 16 * 128  # a whole number of 16-row blocks per stream: no padding
+  config = config_lib.KernelConfig(float32_partials=float32_partials)
+  fn = _per_device(lambda v: kernels.all_reduce(v, AXES, (2, 4), config=config), mesh, AXES)
+  with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+    jaxpr = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((8, n), jnp.bfloat16)).jaxpr
+  calls = list(_equations(jaxpr, "pallas_call"))
+  wire = jnp.float32 if float32_partials else jnp.bfloat16
+  assert [c.params["name"] for c in calls] == ["torus_reduce_scatter_x_y", "torus_all_gather_x_y"]
+  assert calls[0].params["out_avals"][0].dtype == wire
+  sent = sum(c.params["cost_estimate"].remote_bytes_transferred for c in calls)
+  rs_sent = calls[0].params["cost_estimate"].remote_bytes_transferred
+  assert rs_sent == (p - 1) / p * n * jnp.dtype(wire).itemsize
+  assert sent == rs_sent + (p - 1) / p * n * 2  # the gather always moves bf16
+  converts = list(_equations(jaxpr, "convert_element_type"))
+  assert bool(converts) == float32_partials
+
+
+def test_bfloat16_error_against_float64():
+  """Both bf16 modes against the exact (float64) sum. With float32 partials the sum is
+  rounded once: within half a bf16 ulp of the exact sum. With bf16 partials each of the
+  4 adds on an element's path (3 on the y ring, 1 on x) rounds: within 4 u sum|x_i|
+  (u = 2**-8, the bf16 unit roundoff)."""
+  mesh, p, u = _mesh((2, 4)), 8, 2.0**-8
+  x = _inputs(jnp.bfloat16, (8, p * 4 * 16 * 128), integers=False)
+  terms = np.asarray(x, np.float64)
+  exact, scale = terms.sum(0), np.abs(terms).sum(0)
+
+  def error(float32_partials: bool) -> np.ndarray:
+    config = config_lib.KernelConfig(float32_partials=float32_partials)
+    fn = _per_device(lambda v: kernels.all_reduce(v, AXES, (2, 4), config=config), mesh, AXES)
+    return np.abs(np.asarray(interpreted("eager", fn, x), np.float64) - exact[None])
+
+  once, per_hop = error(True), error(False)
+  assert np.all(once <= u * np.abs(exact) + 2.0**-20 * scale)
+  assert np.all(per_hop <= 4 * u * scale)
+  assert per_hop.mean() > once.mean()  # the bound is not vacuous: hops do round
+
+
+@pytest.mark.parametrize(
+  "n,block_rows",
+  [
+    (8 * 4 * 48 * 128 - 5, 32),  # 48 rows per stream slice: pieces of 32 and 16 rows
+    (5, None),  # tiny: one 16-row tile per stream slice
+  ],
+  ids=["short-last-piece", "tiny"],
+)
+def test_all_reduce_pieces_and_padding(n, block_rows):
+  """Slabs cut into pieces that do not divide the slice, and a buffer smaller than one
+  tile per stream, against lax (integers: exact)."""
+  mesh = _mesh((2, 4))
+  x = _inputs(jnp.int32, (8, n), integers=True)
+  want = _per_device(LAX["all_reduce"](AXES), mesh, AXES)(x)
+  config = config_lib.KernelConfig(block_rows=block_rows)
+  got = interpreted(
+    "on_wait",
+    _per_device(lambda v: kernels.all_reduce(v, AXES, (2, 4), config=config), mesh, AXES),
+    x,
+  )
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("dtype,rows", [(jnp.float32, 24), (jnp.bfloat16, 32)])
+def test_stream_slices_are_padded_to_one_native_tile_at_most(dtype, rows):
+  """17 rows per stream slice pad to 24 (8-row tiles) in 32-bit types, 32 (16-row tiles)
+  in 16-bit ones. Tracing only."""
+  mesh, p = _mesh((2, 4)), 8
+  fn = _per_device(lambda v: kernels.all_reduce(v, AXES, (2, 4)), mesh, AXES)
+  with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+    jaxpr = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((8, p * 4 * 17 * 128), dtype)).jaxpr
+  calls = list(_equations(jaxpr, "pallas_call"))
+  assert calls[0].params["out_avals"][0].shape == (2, 4, 4, rows, 128)

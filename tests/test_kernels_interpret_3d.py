@@ -54,10 +54,12 @@ def check_against_lax(shape, collective, axes, dtype, chunk, mode):
 
 
 # (collective, axes, dtype, chunk elements, DMA mode): every collective in both modes, on
-# several axis orders, a 2-D torus and a ring over a 3-D mesh. bfloat16 reduces in float32
-# through the same kernel as float32 (the 2-D file checks that widening).
+# several axis orders, a 2-D torus and a ring over a 3-D mesh. Chunks of 300 elements are
+# under a tile per stream, so they run one stream; the two larger chunks run all six, in
+# pieces, and bfloat16 partial sums travel as bfloat16 (16-row tiles) with float32 adds.
 CASES = [
   ("all_reduce", ("x", "y", "z"), jnp.int32, MULTI_BLOCK_CHUNK, "on_wait"),
+  ("all_reduce", ("z", "x", "y"), jnp.bfloat16, 6 * 16 * 128 - 5, "eager"),
   ("reduce_scatter", ("y", "z", "x"), jnp.int32, 300, "eager"),
   ("reduce_scatter", ("x", "y", "z"), jnp.float32, 300, "on_wait"),
   ("all_gather", ("z", "y", "x"), jnp.int32, 300, "on_wait"),

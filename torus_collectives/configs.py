@@ -8,7 +8,8 @@ self-validating dataclasses: a bad value raises ``ValueError`` when constructed.
 The torus kernels move data HBM to HBM with remote DMAs and stream the reductions through
 VMEM in blocks of ``block_rows`` x 128 lanes. A block is the unit of VMEM traffic: four
 blocks (the own partial sum and the received one, each double-buffered) are resident at a
-time. The batch-norm passes tile the activation, viewed as ``x[rows, channels]``, into
+time, plus their float32 sum when the buffer holds a 16-bit type. The batch-norm passes
+tile the activation, viewed as ``x[rows, channels]``, into
 ``block_rows`` x ``block_channels`` blocks.
 """
 
@@ -35,6 +36,9 @@ _SCOPED_VMEM_BYTES = {
   "TPU v6 lite": 32 << 20,
 }
 _FALLBACK_SCOPED_VMEM_BYTES = 16 << 20
+# Pieces per reduce-scatter slab the default aims for: the link idles for one piece's add
+# per step (modelled as 1/PIECES of the unpipelined add time; see cost_model).
+PIECES = 8
 
 # Batch norm: float32 elements per block (1 MiB), so a pass's double-buffered inputs,
 # outputs and float32 temporaries stay well inside the 16 MiB of scoped VMEM of
@@ -45,17 +49,28 @@ BN_MAX_BLOCK_CHANNELS = 512
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-  """Block size of the VMEM streaming in the torus reduce-scatter kernel.
+  """Tunables of the torus kernels.
 
   Attributes:
-    block_rows: rows of 128 lanes per VMEM block; a positive multiple of 16. Each stream's
-      slice of a chunk is padded to a multiple of it.
+    block_rows: rows of 128 lanes per VMEM block and per pipelined DMA piece; a positive
+      multiple of 16. None (the default): chosen from the buffer's size and the TPU
+      generation (``default``).
+    float32_partials: for bfloat16 and float16, send the reduce-scatter's partial sums as
+      float32 (the input is widened before and rounded after the collective). Off by
+      default: partial sums travel in the input's type (the wire bytes of XLA's bfloat16
+      all-reduce) and every hop adds in float32 in VMEM and rounds once. On, the sum is
+      rounded only once (about half the error; figures in ``pallas_backend``), at the
+      price of 2x the wire and HBM bytes plus the widening and rounding passes around
+      the kernels. No effect on 32-bit types.
   """
 
-  block_rows: int = 512
+  block_rows: int | None = None
+  float32_partials: bool = False
 
   def __post_init__(self):
-    if (
+    if not isinstance(self.float32_partials, bool):
+      raise ValueError(f"float32_partials must be a bool, got {self.float32_partials=}")
+    if self.block_rows is not None and (
       not isinstance(self.block_rows, int) or self.block_rows <= 0 or self.block_rows % ROW_MULTIPLE
     ):
       raise ValueError(
@@ -67,15 +82,24 @@ class KernelConfig:
   def default(cls, rows_per_slice: int, itemsize: int, device_kind: str) -> KernelConfig:
     """A config for slices of ``rows_per_slice`` rows of ``itemsize``-byte elements.
 
-    The four resident blocks may use 1/8 of the generation's scoped VMEM. A slice takes
-    the fewest blocks that respect that cap, each as small as that count allows, so
-    padding a slice to a whole number of blocks adds under 16 rows per block.
+    A block is also the piece a reduce-scatter slab is sent and added in: the add of
+    piece k overlaps the arrival of piece k + 1. So a slice is cut into about
+    ``PIECES`` blocks, as long as the four resident blocks stay within 1/8 of the
+    generation's scoped VMEM (more pieces then) and a block keeps at least one 16-row
+    tile (fewer pieces for small slices). The last piece may be short: a slice is padded
+    to whole 16-row tiles only.
     """
     vmem = _SCOPED_VMEM_BYTES.get(device_kind, _FALLBACK_SCOPED_VMEM_BYTES)
     cap = max(ROW_MULTIPLE, (vmem // 8 // (4 * LANES * itemsize)) // ROW_MULTIPLE * ROW_MULTIPLE)
     rows = max(rows_per_slice, 1)
-    blocks = ceil_div(rows, cap)
-    return cls(block_rows=ceil_div(rows, blocks * ROW_MULTIPLE) * ROW_MULTIPLE)
+    return cls(block_rows=min(cap, ceil_div(rows, PIECES * ROW_MULTIPLE) * ROW_MULTIPLE))
+
+  def resolve(self, rows_per_slice: int, itemsize: int, device_kind: str) -> KernelConfig:
+    """This config with ``block_rows`` filled in from the shape and generation if unset."""
+    if self.block_rows is not None:
+      return self
+    block_rows = KernelConfig.default(rows_per_slice, itemsize, device_kind).block_rows
+    return dataclasses.replace(self, block_rows=block_rows)
 
 
 @dataclasses.dataclass(frozen=True)

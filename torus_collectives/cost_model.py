@@ -19,9 +19,18 @@ fallback execute, so the model cannot drift from the algorithm:
   ``alpha * hops + max over links of (bytes on the link) / B``, with ``hops`` the longest
   routed path in the step; a collective costs the sum over its steps.
 
-Not modelled: the arithmetic of the reduction and its HBM traffic, DMA issue overhead
-beyond ``alpha``, overlap of a step's latency with the previous step's transfer, and
-contention with other traffic. The figures are modelled, never measured.
+* Optionally (``reduce_pieces``), the reduce-scatter's adds: a device adds every slab it
+  receives to its own partial sums, reading both from HBM and writing the sum (3 HBM
+  accesses per received byte, at the chip's HBM bandwidth; the streams' adds share one
+  core, so they take turns). With the slab received whole and then added
+  (``reduce_pieces=1``), a step costs transfer + add. The kernels split each slab into
+  ``k`` pieces with their own DMAs and semaphores and add piece ``i`` while piece ``i+1``
+  is still arriving, so a step costs ``max(transfer, add) + min(transfer, add) / k``
+  (the pipeline's fill or drain). The next step's sends start when the step is done.
+
+Not modelled: DMA issue overhead beyond ``alpha``, overlap of a step's latency with the
+previous step's transfer, the HBM traffic of the DMAs themselves, and contention with other
+traffic. The figures are modelled, never measured.
 
 The physical lower bound for an all-reduce of ``S`` bytes over ``p`` chips with ``L``
 links each is ``2 (p - 1) / p * S / (L B)``: every chip must send (and receive) that many
@@ -70,9 +79,15 @@ class Generation:
   links_per_chip: int
   link_bandwidth: float  # bytes/s, one direction of one link
   hop_latency: float = DEFAULT_HOP_LATENCY_S  # seconds per step, per hop
+  hbm_bandwidth: float = float("inf")  # bytes/s per chip, prices the reduction's adds
 
   def __post_init__(self):
-    if self.links_per_chip < 1 or self.link_bandwidth <= 0 or self.hop_latency < 0:
+    if (
+      self.links_per_chip < 1
+      or self.link_bandwidth <= 0
+      or self.hop_latency < 0
+      or self.hbm_bandwidth <= 0
+    ):
       raise ValueError(f"invalid generation constants: {self}")
 
 
@@ -83,23 +98,25 @@ GENERATIONS = {
     # Networks", CACM 63(7), 2020: TPUv3 has 4 ICI links of 656 Gbit/s in a 2-D
     # torus. Whether that figure is per direction is not stated there; it is taken as
     # one-way (82 GB/s). Uncertain: third-party guides quote up to 100 GB/s one-way.
-    Generation("v3", links_per_chip=4, link_bandwidth=656e9 / 8),
+    # HBM bandwidth per chip, from the Cloud TPU system-architecture pages: v3 900 GB/s,
+    # v4 1,200 GB/s, v5e 819 GB/s, v5p 2,765 GB/s, v6e 1,640 GB/s.
+    Generation("v3", links_per_chip=4, link_bandwidth=656e9 / 8, hbm_bandwidth=900e9),
     # Cloud TPU v4 docs: 2,400 Gbit/s of ICI per chip over 6 links (3-D torus), i.e.
     # 50 GB/s per link. Taken as one-way by analogy with v5e and v5p, whose pages
     # give both the Gbit/s figure and a bidirectional GB/s figure twice as large.
     # Six links in a 3-D torus of 4x4x4 cubes joined by optical circuit switches,
     # twisted-torus options: Jouppi et al., "TPU v4: An Optically Reconfigurable
     # Supercomputer ...", ISCA 2023.
-    Generation("v4", links_per_chip=6, link_bandwidth=2400e9 / 8 / 6),
+    Generation("v4", links_per_chip=6, link_bandwidth=2400e9 / 8 / 6, hbm_bandwidth=1200e9),
     # Cloud TPU v5e docs: 400 GB/s bidirectional ICI per chip, 4 ICI ports, 2-D torus
     # -> 50 GB/s one way per link.
-    Generation("v5e", links_per_chip=4, link_bandwidth=400e9 / 2 / 4),
+    Generation("v5e", links_per_chip=4, link_bandwidth=400e9 / 2 / 4, hbm_bandwidth=819e9),
     # Cloud TPU v5p docs: 1,200 GB/s bidirectional ICI per chip (4,800 Gbit/s), 3-D
     # torus (6 links, 4x4x4 cubes as on v4) -> 100 GB/s one way per link.
-    Generation("v5p", links_per_chip=6, link_bandwidth=1200e9 / 2 / 6),
+    Generation("v5p", links_per_chip=6, link_bandwidth=1200e9 / 2 / 6, hbm_bandwidth=2765e9),
     # Cloud TPU v6e (Trillium) docs: 800 GB/s bidirectional ICI per chip, 4 ICI
     # ports, 2-D torus -> 100 GB/s one way per link.
-    Generation("v6e", links_per_chip=4, link_bandwidth=800e9 / 2 / 4),
+    Generation("v6e", links_per_chip=4, link_bandwidth=800e9 / 2 / 4, hbm_bandwidth=1640e9),
   )
 }
 
@@ -108,7 +125,9 @@ RING_ORDERS = ("snake", "row_major")
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
-  """Modelled time of one collective; ``bandwidth_s + latency_s == time_s``."""
+  """Modelled time of one collective; ``bandwidth_s + latency_s + reduce_s == time_s``.
+
+  ``reduce_s`` is the time the reduction's adds add to the link time (0 unless priced)."""
 
   collective: str
   variant: str
@@ -119,10 +138,11 @@ class Prediction:
   bandwidth_s: float
   latency_s: float
   bound_s: float
+  reduce_s: float = 0.0
 
   @property
   def time_s(self) -> float:
-    return self.bandwidth_s + self.latency_s
+    return self.bandwidth_s + self.latency_s + self.reduce_s
 
   @property
   def ratio_to_bound(self) -> float:
@@ -241,20 +261,24 @@ def _embedding(
 
 
 def _step_loads(sched: schedule_lib.Schedule, nbytes: float, loads: dict):
-  """(bytes on every physical link, max hops, how many steps) for each distinct step.
+  """(bytes on every physical link, max hops, bytes each device adds, how many steps) for
+  each distinct step.
 
   Steps that move the same slabs along the same logical hops load the links alike, so
   each kind of step is priced once.
   """
   chunk = nbytes / sched.num_devices / sched.num_streams
   counts = collections.Counter(
-    tuple((t.phase.axis, t.phase.direction, t.slab_elements(sched.torus, 1)) for t in step)
+    tuple(
+      (t.phase.axis, t.phase.direction, t.slab_elements(sched.torus, 1), t.phase.kind) for t in step
+    )
     for step in sched.steps()
   )
   for signature, count in counts.items():
-    link = sum(loads[axis, direction][0] * slab * chunk for axis, direction, slab in signature)
-    hops = max(loads[axis, direction][1] for axis, direction, _ in signature)
-    yield link, hops, count
+    link = sum(loads[axis, direction][0] * slab * chunk for axis, direction, slab, _ in signature)
+    hops = max(loads[axis, direction][1] for axis, direction, _, _ in signature)
+    added = sum(slab * chunk for *_, slab, kind in signature if kind == "reduce_scatter")
+    yield link, hops, added, count
 
 
 def link_bytes(
@@ -266,7 +290,7 @@ def link_bytes(
   """Total bytes each directed physical link carries (index: ``link_key``)."""
   physical, loads = _embedding(sched, physical, order)
   total = np.zeros(_num_links(physical))
-  for link, _, count in _step_loads(sched, nbytes, loads):
+  for link, _, _, count in _step_loads(sched, nbytes, loads):
     total += count * link
   return total
 
@@ -293,13 +317,18 @@ def predict(
   *,
   order: str = "snake",
   logical: Sequence[int] | None = None,
+  reduce_pieces: int | None = None,
 ) -> Prediction:
   """Modelled time of ``collective`` over ``nbytes`` (full size) on a ``physical`` torus.
 
   The schedule runs on the ``logical`` torus (default: all chips in one ring for the ring
   variants, the physical torus itself for the others), folded onto the chips as
-  ``placement`` says, with rings laid out in ``order``.
+  ``placement`` says, with rings laid out in ``order``. ``reduce_pieces`` prices the
+  reduce-scatter's adds with each slab cut into that many pipelined pieces (1: added only
+  once whole; see the module docstring); None leaves them out.
   """
+  if reduce_pieces is not None and reduce_pieces < 1:
+    raise ValueError(f"reduce_pieces must be None or at least 1, got {reduce_pieces=}")
   physical = tuple(int(n) for n in physical)
   if not 1 <= len(physical) <= generation.links_per_chip // 2:
     raise ValueError(
@@ -315,10 +344,15 @@ def predict(
     logical = (p,) if ring else physical
   sched = schedule_lib.build(collective, tuple(logical), variant)
   _, loads = _embedding(sched, physical, order)
-  bandwidth = latency = 0.0
-  for link, hops, count in _step_loads(sched, nbytes, loads):
-    bandwidth += count * link.max() / generation.link_bandwidth
+  bandwidth = latency = exposed_adds = 0.0
+  for link, hops, added, count in _step_loads(sched, nbytes, loads):
+    transfer = link.max() / generation.link_bandwidth
+    bandwidth += count * transfer
     latency += count * hops * generation.hop_latency
+    if reduce_pieces is not None and added:
+      add = 3 * added / generation.hbm_bandwidth
+      step = max(transfer, add) + min(transfer, add) / reduce_pieces
+      exposed_adds += count * (step - transfer)
   return Prediction(
     collective,
     variant.value,
@@ -329,6 +363,7 @@ def predict(
     bandwidth,
     latency,
     lower_bound(collective, p, nbytes, generation),
+    exposed_adds,
   )
 
 
@@ -364,7 +399,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def resnet50_table(
-  alpha: float | None = None, collective: schedule_lib.Collective = "all_reduce"
+  alpha: float | None = None,
+  collective: schedule_lib.Collective = "all_reduce",
+  reduce_pieces: int | None = None,
 ) -> list[dict]:
   """One row per pod, gradient dtype and (variant, logical torus) candidate."""
   rows = []
@@ -373,7 +410,13 @@ def resnet50_table(
     for dtype, itemsize in DTYPE_BYTES.items():
       for variant, logical in candidates(torus):
         pred = predict(
-          collective, torus, variant, RESNET50_PARAMS * itemsize, generation, logical=logical
+          collective,
+          torus,
+          variant,
+          RESNET50_PARAMS * itemsize,
+          generation,
+          logical=logical,
+          reduce_pieces=reduce_pieces,
         )
         rows.append({"generation": name, "dtype": dtype, "prediction": pred})
   return rows
@@ -469,6 +512,13 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument(
     "--collective", default="all_reduce", choices=("all_reduce", "reduce_scatter", "all_gather")
   )
+  parser.add_argument(
+    "--reduce-pieces",
+    type=int,
+    default=None,
+    help="also price the reduce-scatter's adds, each slab in this many pipelined pieces "
+    "(1: unpipelined)",
+  )
   parser.add_argument("--plot", metavar="PATH", help="also write a PNG of time against p")
   parser.add_argument(
     "--plot-generations",
@@ -480,7 +530,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     f"ResNet-50 gradient ({RESNET50_PARAMS:,} parameters), {args.collective}, "
     "alpha-beta model (modelled, not measured)"
   )
-  print(format_table(resnet50_table(args.alpha, args.collective)))
+  if args.reduce_pieces is not None:
+    print(f"adds priced at HBM bandwidth, slabs in {args.reduce_pieces} pipelined piece(s)")
+  print(format_table(resnet50_table(args.alpha, args.collective, args.reduce_pieces)))
   if args.plot:
     chosen = args.plot_generations.split(",") if args.plot_generations else None
     plot_time_vs_p(args.plot, args.alpha, generations=chosen)

@@ -66,7 +66,7 @@ def _out_length(kind: str, n: int, tile) -> int:
   return {"reduce_scatter": n // max(p, 1), "all_gather": n * p, "all_reduce": n}[kind]
 
 
-def _run(kind, x, *, axes, sizes, tile, impl, config, invariant):
+def lowering(kind, x, *, axes, sizes, tile, impl, config, invariant):
   """The backend's collective: what the primitive lowers to."""
   del invariant  # a type, not a computation
   out = _out_length(kind, x.shape[0], tile)
@@ -81,7 +81,7 @@ def _effects(kind, aval, params):
   """The backend's effects: none, except the callbacks of TPU interpret mode."""
   if params["impl"] != "pallas" or not platform.interpret_mode_active():
     return set()
-  return set(jax.make_jaxpr(functools.partial(_run, kind, **params))(aval).effects)
+  return set(jax.make_jaxpr(functools.partial(lowering, kind, **params))(aval).effects)
 
 
 def _abstract_eval(kind):
@@ -197,7 +197,7 @@ def _batcher(kind):
 
 for _kind, _prim in PRIMITIVES.items():
   _prim.def_effectful_abstract_eval(_abstract_eval(_kind))
-  mlir.register_lowering(_prim, mlir.lower_fun(functools.partial(_run, _kind), False))
+  mlir.register_lowering(_prim, mlir.lower_fun(functools.partial(lowering, _kind), False))
   ad.deflinear2(_prim, _transpose(_kind))
   batching.fancy_primitive_batchers[_prim] = _batcher(_kind)
 del _kind, _prim

@@ -1,0 +1,176 @@
+"""Kernels of different communication patterns back to back, as a training step runs them.
+
+A ResNet step on a 4x4 mesh with batch-norm group 4 sums its statistics over a 1-D ring on
+``y`` between 2-D torus all-reduces of the gradients. Each kernel enters through a barrier
+on its own neighbour set; kernels of different patterns must use different barrier
+semaphores (collective ids), or a device can count a neighbour's entry signal meant for the
+other kernel.
+
+Two checks:
+
+* the program -- a ring on ``y`` (the batch-norm group-sum pattern: per-channel sums of an
+  activation), a ring on ``x``, the 2-D all-reduce, reduce-scatter and all-gather, back to
+  back, twice inside ``lax.scan`` -- runs in TPU interpret mode with the race detector
+  on and NaN-poisoned scratch, on 2x4 (this process) and 4x4 (a 16-device subprocess),
+  and matches lax exactly on integers;
+* every pallas_call of that program, including those inside the scan body, carries a
+  collective id that no kernel of another (kind, axes, torus) pattern uses.
+
+Interpret mode does not reproduce the hazard itself: it runs each device's kernel body as
+host callbacks and is not a timing model, so a device cannot reliably overtake its
+neighbour by a whole kernel. The second check is what fails on the old scheme (one id per
+kernel kind, whatever its axes).
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import torus_collectives as tc
+
+AXES = ("x", "y")
+CHANNELS = 24  # per-channel statistics of the batch-norm group sum
+LANES = 128
+MARKER = "mixed patterns on 4x4 match lax"
+
+
+def step(v, implementation: str):
+  """One per-device "training step" mixing every communication pattern of the kernels.
+
+  Small buffers run one-stream schedules; the "gradient" all-reduce is large enough for
+  the split schedule's four streams (a tile per stream slice), which uses other links."""
+  ar = lambda u, axes: tc.all_reduce(u, axes, implementation=implementation)  # noqa: E731
+  # Batch-norm group over y: per-channel sums of an (rows, CHANNELS) activation.
+  stats = ar(v.reshape(-1, CHANNELS).sum(0), "y")
+  ring_x = ar(v, "x")
+  torus = ar(v, AXES)
+  p = lax.axis_size(AXES)
+  gradient = ar(jnp.resize(v, p * 4 * 16 * LANES), AXES)
+  shard = tc.reduce_scatter(v, AXES, tiled=True, implementation=implementation)
+  gathered = tc.all_gather(shard, AXES, tiled=True, implementation=implementation)
+  return jnp.concatenate([stats, ring_x, torus, gradient[-v.size :], gathered])
+
+
+def program(implementation: str):
+  """``step`` twice inside ``lax.scan``: the kernels run back to back within a step, and the
+  last kernel of one iteration meets the first of the next."""
+
+  def per_device(v):
+    def body(carry, _):
+      out = step(carry, implementation)
+      return out[-carry.size :] % 7, out
+
+    _, outs = lax.scan(body, v, length=2)
+    return outs.reshape(-1)
+
+  return per_device
+
+
+def _run(mesh, x, implementation: str):
+  fn = jax.shard_map(
+    lambda v: program(implementation)(v[0])[None],
+    mesh=mesh,
+    in_specs=P(AXES),
+    out_specs=P(AXES),
+    check_vma=False,
+  )
+  return jax.jit(fn)(x)
+
+
+def _inputs(p: int):
+  # Per device: p chunks, each a few rows of CHANNELS plus a ragged remainder.
+  n = p * CHANNELS * 3
+  return jnp.asarray(np.random.default_rng(1).integers(-8, 8, size=(p, n)), jnp.int32)
+
+
+def run_and_compare(mesh) -> None:
+  from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+  from jax.experimental.pallas import tpu as pltpu
+
+  x = _inputs(mesh.size)
+  want = _run(mesh, x, "xla")
+  params = pltpu.InterpretParams(
+    dma_execution_mode="on_wait", detect_races=True, uninitialized_memory="nan"
+  )
+  try:
+    with pltpu.force_tpu_interpret_mode(params):
+      got = jax.block_until_ready(_run(mesh, x, "pallas"))
+  except Exception:
+    pltpu.reset_tpu_interpret_mode_state()
+    raise
+  assert not interpret_pallas_call.races.races_found
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _mesh(shape):
+  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 2)
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 4)])
+def test_each_pattern_has_its_own_collective_id(shape):
+  """Kernel names and their axes, against their collective ids, over the whole program.
+
+  Tracing only (no kernel runs), so 4x4 works on an abstract mesh of 16 devices."""
+  from jax.experimental.pallas import tpu as pltpu
+
+  from bench import aot_report  # kernels inside the torus primitives, as the report finds them
+
+  mesh = jax.sharding.AbstractMesh(shape, AXES, axis_types=(AxisType.Auto,) * 2)
+  p = shape[0] * shape[1]
+  x = jax.ShapeDtypeStruct((p, p * CHANNELS * 3), jnp.int32)
+  fn = jax.shard_map(
+    lambda v: program("pallas")(v[0])[None],
+    mesh=mesh,
+    in_specs=P(AXES),
+    out_specs=P(AXES),
+    check_vma=False,
+  )
+  ids: dict[int, set] = {}
+  with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+    jaxpr = jax.make_jaxpr(fn)(x).jaxpr
+    for eqn in aot_report.pallas_calls(jaxpr, mesh):
+      cid = eqn.params["compiler_params"].collective_id
+      # The kernel's pattern: its name (kind and axes), its chunk grid (the torus) and its
+      # number of streams (1 or the split schedule's, which use different links).
+      grid = eqn.params["out_avals"][0].shape[:-2]
+      ids.setdefault(cid, set()).add((eqn.params["name"], grid))
+  patterns = [pattern for group in ids.values() for pattern in group]
+  # ring y, ring x, 2-D torus with one stream and 2-D torus split in four, each as a
+  # reduce-scatter and an all-gather kernel.
+  assert len(set(patterns)) == 8, ids
+  assert all(len(group) == 1 for group in ids.values()), ids
+
+
+@pytest.mark.interpret
+def test_mixed_patterns_on_2x4_match_lax():
+  run_and_compare(_mesh((2, 4)))
+
+
+@pytest.mark.interpret
+@pytest.mark.slow
+def test_mixed_patterns_on_4x4_match_lax():
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=16")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run(
+    [sys.executable, os.path.abspath(__file__)],
+    env=env,
+    cwd=root,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  assert result.returncode == 0 and MARKER in result.stdout, result.stderr[-3000:]
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.getcwd())
+  run_and_compare(_mesh((4, 4)))
+  print(MARKER)
