@@ -9,7 +9,6 @@ against lax's.
 import itertools
 import math
 import os
-import subprocess
 import sys
 
 import jax
@@ -17,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from collective_cases import mesh_of, per_device, small_integers
+from device_count_subprocess import run_as_script
 from jax import lax
 
 import torus_collectives as tc
@@ -176,17 +176,7 @@ def test_group_sizes_name_3d_tiles_filled_along_the_last_axis():
 
 @pytest.mark.slow
 def test_2x2x4_in_a_subprocess():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=16")
-  here = os.path.dirname(os.path.abspath(__file__))
-  result = subprocess.run(
-    [sys.executable, os.path.abspath(__file__)],
-    env=env,
-    cwd=here,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert result.returncode == 0 and MARKER in result.stdout, result.stderr[-3000:]
+  run_as_script(__file__, 16, MARKER)
 
 
 if __name__ == "__main__":

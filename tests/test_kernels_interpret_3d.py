@@ -7,13 +7,13 @@ schedule runs six streams, and its first reduce-scatter slab spans two grid axes
 """
 
 import os
-import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from device_count_subprocess import run_as_script
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from test_kernels_interpret import INPUT_ELEMENTS, LAX, SMALL_BLOCKS, interpreted
@@ -103,17 +103,7 @@ def test_public_api_forward_and_gradient_on_three_axes():
 
 @pytest.mark.slow
 def test_2x2x4_in_a_subprocess():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=16")
-  here = os.path.dirname(os.path.abspath(__file__))
-  result = subprocess.run(
-    [sys.executable, os.path.abspath(__file__)],
-    env=env,
-    cwd=here,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert result.returncode == 0 and MARKER in result.stdout, result.stderr[-3000:]
+  run_as_script(__file__, 16, MARKER)
 
 
 if __name__ == "__main__":

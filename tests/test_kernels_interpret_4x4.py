@@ -8,10 +8,10 @@ file runs the same multi-block all-reduce in "on_wait" mode.
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
+from device_count_subprocess import run_as_script
 
 MARKER = "4x4 all-reduce matches lax"
 
@@ -19,17 +19,7 @@ MARKER = "4x4 all-reduce matches lax"
 @pytest.mark.interpret
 @pytest.mark.slow
 def test_all_reduce_on_a_4x4_torus():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=16")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  result = subprocess.run(
-    [sys.executable, os.path.abspath(__file__)],
-    env=env,
-    cwd=root,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert result.returncode == 0 and MARKER in result.stdout, result.stderr[-3000:]
+  run_as_script(__file__, 16, MARKER)
 
 
 def _main() -> None:

@@ -23,13 +23,13 @@ kernel kind, whatever its axes).
 """
 
 import os
-import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from device_count_subprocess import run_as_script
 from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -157,17 +157,7 @@ def test_mixed_patterns_on_2x4_match_lax():
 @pytest.mark.interpret
 @pytest.mark.slow
 def test_mixed_patterns_on_4x4_match_lax():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=16")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  result = subprocess.run(
-    [sys.executable, os.path.abspath(__file__)],
-    env=env,
-    cwd=root,
-    capture_output=True,
-    text=True,
-    timeout=900,
-  )
-  assert result.returncode == 0 and MARKER in result.stdout, result.stderr[-3000:]
+  run_as_script(__file__, 16, MARKER, timeout=900)
 
 
 if __name__ == "__main__":
