@@ -10,7 +10,6 @@ import pathlib
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import two_processes
 
 from resnet import checkpoints, data_sources, input_pipeline, train
 from resnet.configs import default
@@ -193,15 +193,9 @@ def test_non_finite_metrics_stop_without_saving_and_name_the_newest_checkpoint(
     assert manager.all_steps() == [TOTAL_STEPS - 2, TOTAL_STEPS]
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
 def _start_two(workdir, data_dir, *flags):
   """Two ``python -m resnet`` processes of 4 CPU devices each; logs beside the workdir."""
-  port = _free_port()
+  port = two_processes.free_port()
   env = dict(
     os.environ,
     JAX_PLATFORMS='cpu',

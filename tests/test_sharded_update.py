@@ -11,10 +11,6 @@ all-reduce does; momentum and Adam have no norms) they must agree bitwise.
 """
 
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -26,6 +22,7 @@ import pytest
 import sharded_update_cases as cases
 from jax.sharding import PartitionSpec as P
 from test_kernels_interpret import interpreted
+from two_processes import run_two
 
 import torus_collectives as tc
 
@@ -167,38 +164,11 @@ def test_unbound_axis_is_rejected():
     tx.init({"w": jnp.ones((8,))})  # outside shard_map
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.multiprocess
 def test_two_processes_equal_one(tmp_path):
   """2 processes x 4 devices give the parameters 1 process x 8 devices gives."""
-  port = _free_port()
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent), env.get("PYTHONPATH", "")])
   out_file = tmp_path / "params.npz"
-  procs = [
-    subprocess.Popen(
-      [sys.executable, str(WORKER), str(port), str(i), str(out_file)],
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  outputs = []
-  try:
-    for proc in procs:
-      outputs.append(proc.communicate(timeout=300)[0])  # a dead peer must fail, not hang
-  finally:
-    for proc in procs:
-      proc.kill()
-  for i, (proc, out) in enumerate(zip(procs, outputs)):
-    assert proc.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
+  run_two(WORKER, str(out_file))
   two = np.load(out_file)
   one, _ = cases.run(_mesh(), "lars", cases.STEPS, sharded=True, implementation="shard_map")
   for path, leaf in jax.tree_util.tree_flatten_with_path(one)[0]:
