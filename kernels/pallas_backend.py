@@ -48,7 +48,6 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from torus_collectives import platform
 from torus_collectives import schedule as schedule_lib
@@ -93,7 +92,7 @@ def _check(x: jax.Array, axes: Sequence[str], torus: Sequence[int]) -> None:
 
 
 class _Plan:
-  """Schedules and padded layout for one collective on one buffer size."""
+  """Schedules and layout for one collective on one buffer size."""
 
   def __init__(self, axes, torus, chunk_elements: int, itemsize: int, config: KernelConfig | None):
     self.axes, self.torus = tuple(axes), tuple(int(n) for n in torus)
@@ -104,46 +103,51 @@ class _Plan:
     # A native VMEM tile: 8 rows of 128 lanes for 32-bit types, 16 for 16-bit ones.
     tile = max(8, 32 // itemsize)
     if ceil_div(chunk_elements, rs.num_streams * LANES) < tile:
-      # Too small to fill a tile per stream: padding every stream slice to a tile would
-      # multiply the bytes by the stream count, and a latency-bound collective gains
-      # nothing from more links. Stream 0 alone carries whole chunks (any stream of a
-      # schedule is a complete algorithm on its own).
+      # Too small to fill a tile per stream: a latency-bound collective gains nothing
+      # from more links, and every stream costs its own DMAs. Stream 0 alone carries whole
+      # chunks (any stream of a schedule is a complete algorithm on its own).
       rs, ag = (dataclasses.replace(s, streams=s.streams[:1]) for s in (rs, ag))
     self.reduce_scatter, self.all_gather = rs, ag
     self.streams = rs.num_streams
     rows = ceil_div(chunk_elements, self.streams * LANES)
     self.config = (config or KernelConfig()).resolve(rows, itemsize, device_kind)
-    self.rows = ceil_div(rows, tile) * tile
-    self.chunk_shape = (self.streams, self.rows, LANES)
+    self.slice_elements = ceil_div(rows, tile) * tile * LANES
+    self.chunk_elements = self.streams * self.slice_elements
 
-  def own_index(self) -> tuple:
-    return tuple(lax.axis_index(a) for a in self.axes)
+  def layout(self, n: int, stride: int, dtype) -> torus_kernels.Layout:
+    """The kernels' view of a buffer of ``n`` elements whose chunks are ``stride`` apart."""
+    return torus_kernels.Layout(
+      n=n,
+      stride=stride,
+      slice_elements=self.slice_elements,
+      piece_elements=self.config.block_rows * LANES,
+      itemsize=jnp.dtype(dtype).itemsize,
+    )
 
-  def to_grid(self, x: jax.Array, m: int) -> jax.Array:
-    """``[p*m]`` -> zero-padded ``(*torus, S, R, 128)``."""
-    grid = pad_chunks(x, math.prod(self.torus), math.prod(self.chunk_shape))
-    return grid.reshape(self.torus + self.chunk_shape)
-
-  def to_chunk(self, x: jax.Array) -> jax.Array:
-    """``[m]`` -> zero-padded ``(S, R, 128)``."""
-    return pad_to(x, math.prod(self.chunk_shape)).reshape(self.chunk_shape)
-
-  def run_reduce_scatter(self, grid: jax.Array) -> jax.Array:
-    """``(*torus, S, R, 128)`` -> the work buffer: own chunk ``[*coords]`` fully reduced."""
+  def run_reduce_scatter(self, x: jax.Array, stride: int, **kwargs) -> jax.Array:
     return torus_kernels.reduce_scatter_call(
-      ensure_varying(grid, self.axes),
+      ensure_varying(x, self.axes),
       self.reduce_scatter,
       self.axes,
       self.mesh_axes,
-      self.config.block_rows,
+      self.layout(x.size, stride, x.dtype),
+      **kwargs,
     )
 
-  def run_all_gather(self, x: jax.Array) -> jax.Array:
-    """The own chunk ``(S, R, 128)``, or a work buffer holding it -> ``(p, S*R*128)``."""
-    out = torus_kernels.all_gather_call(
-      ensure_varying(x, self.axes), self.all_gather, self.axes, self.mesh_axes
+  def run_all_gather(self, x: jax.Array, n: int, stride: int) -> jax.Array:
+    return torus_kernels.all_gather_call(
+      ensure_varying(x, self.axes),
+      self.all_gather,
+      self.axes,
+      self.mesh_axes,
+      self.layout(n, stride, x.dtype),
     )
-    return out.reshape(math.prod(self.torus), -1)
+
+
+def _word_multiple(m: int, dtype) -> int:
+  """``m`` rounded up to whole DMA words of ``dtype``."""
+  align = torus_kernels.dma_alignment(jnp.dtype(dtype).itemsize)
+  return ceil_div(m, align) * align
 
 
 def reduce_scatter(
@@ -162,9 +166,13 @@ def reduce_scatter(
     raise ValueError(f"reduce_scatter needs a size divisible by {p} devices, got {x.size=}")
   m = x.size // p
   work = _work_dtype(x.dtype, config)
-  plan = _Plan(axes, torus, m, work.itemsize, config)
-  acc = plan.run_reduce_scatter(plan.to_grid(x.astype(work), m))
-  return acc[plan.own_index()].reshape(-1)[:m].astype(x.dtype)
+  stride = _word_multiple(m, work)
+  plan = _Plan(axes, torus, stride, work.itemsize, config)
+  grid = x.astype(work)
+  if stride != m:  # chunks off the DMA words: pad each (the remaining glue)
+    grid = pad_chunks(grid, p, stride).reshape(-1)
+  own = plan.run_reduce_scatter(grid, stride, own_out=True)
+  return own[:m].astype(x.dtype)
 
 
 def all_gather(
@@ -176,11 +184,16 @@ def all_gather(
 ) -> jax.Array:
   """``[m] -> [p*m]``: the chunks of all devices, row-major over ``axes``."""
   _check(x, axes, torus)
-  if math.prod(torus) == 1:
+  p = math.prod(torus)
+  if p == 1:
     return x
   m = x.size
-  plan = _Plan(axes, torus, m, jnp.dtype(x.dtype).itemsize, config)
-  return plan.run_all_gather(plan.to_chunk(x))[:, :m].reshape(-1)
+  stride = _word_multiple(m, x.dtype)
+  plan = _Plan(axes, torus, stride, jnp.dtype(x.dtype).itemsize, config)
+  out = plan.run_all_gather(pad_to(x, stride), p * stride, stride)
+  if stride != m:  # chunks off the DMA words were padded: drop the padding
+    out = out.reshape(p, stride)[:, :m].reshape(-1)
+  return out
 
 
 def all_reduce(
@@ -197,11 +210,8 @@ def all_reduce(
     return x
   work = _work_dtype(x.dtype, config)
   plan = _Plan(axes, torus, ceil_div(n, p), work.itemsize, config)
-  # Where the chunk boundaries fall is internal to an all-reduce, so the buffer is padded
-  # once at its end (a prefix-preserving reshape) rather than chunk by chunk.
-  grid_shape = plan.torus + plan.chunk_shape
-  padded = pad_to(x.astype(work), math.prod(grid_shape)).reshape(grid_shape)
-  acc = plan.run_reduce_scatter(padded)
-  if acc.dtype != x.dtype:  # float32_partials: round the own chunk, gather the result
-    return plan.run_all_gather(acc[plan.own_index()].astype(x.dtype)).reshape(-1)[:n]
-  return plan.run_all_gather(acc).reshape(-1)[:n]
+  # Where the chunk boundaries fall is internal to an all-reduce: the kernels lay the grid
+  # over the buffer as it is, and positions past its end simply do not exist.
+  acc = plan.run_reduce_scatter(x.astype(work), plan.chunk_elements)
+  # float32_partials: round the sums, then gather them.
+  return plan.run_all_gather(acc.astype(x.dtype), n, plan.chunk_elements)

@@ -60,6 +60,7 @@ for v4, v5e, v5p and v6e.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import zlib
@@ -67,6 +68,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -160,12 +162,9 @@ class _Topology:
     slab = phase.send_slab if sending else phase.recv_slab
     return slab(self.coords[phase.axis], step, self.torus[phase.axis])
 
-  def slab_view(self, ref, transfer: schedule_lib.Transfer, index):
-    """``ref``'s view of one transfer's slab as ``(chunks, R, 128)``."""
-    idx = list(transfer.slab_index(self.coords, index))
-    if all(not isinstance(i, slice) for i in idx):  # a single chunk: keep a leading dim
-      idx[transfer.phase.axis] = pl.ds(index, 1)
-    return ref.at[tuple(idx) + (transfer.stream,)]
+  def slab_chunks(self, transfer: schedule_lib.Transfer, slab) -> _Slab:
+    """The chunks of ``transfer``'s slab ``slab`` on this device (see ``_Slab``)."""
+    return _Slab(transfer, self.torus, self.coords, slab)
 
   def barrier(self, schedule: schedule_lib.Schedule) -> None:
     """Tells every upstream neighbour we are here; waits until every downstream one is."""
@@ -191,101 +190,261 @@ def _add(a: jax.Array, b: jax.Array) -> jax.Array:
   return a + b
 
 
-def pieces(rows: int, block_rows: int) -> list[tuple[int, int]]:
-  """``(first row, rows)`` of the pieces a slab's ``rows`` are cut into: whole blocks, then
-  the remainder (slices are padded to whole tiles only, not whole blocks)."""
-  return [(start, min(block_rows, rows - start)) for start in range(0, rows, block_rows)]
+# The DMA engine moves 1-D HBM slices that start on a 512-byte boundary and are a whole
+# number of 512-byte words long; the only shorter slice it moves is one that ends where
+# its array ends, and into VMEM only when it fills a VMEM array of exactly its length.
+DMA_WORD_BYTES = 512
 
 
-def _accumulate(dst, own, src, own_bufs, in_bufs, sems) -> None:
-  """``dst = own + src`` for ``(*chunks, rows, 128)`` HBM views, ``rows`` at most a VMEM
-  block, chunk by chunk through VMEM.
+def dma_alignment(itemsize: int) -> int:
+  """Elements of ``itemsize`` bytes in one DMA word (128 for 32-bit types, 256 for 16-bit)."""
+  return DMA_WORD_BYTES // itemsize
 
-  ``chunks`` is one grid dimension or more (a slab of a 3-D torus can span two).
-  ``own`` is ``dst`` itself or the same place in the kernel's input. Double-buffered:
-  chunk ``i + 1`` loads while chunk ``i`` is added and stored.
-  ``sems[0|1|2, slot]`` track the own load, the received load and the store of a slot.
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where a schedule's grid of chunks lies in a kernel's 1-D buffer of ``n`` elements.
+
+  Chunk ``c`` (row-major over the torus coordinates) starts at ``c * stride``, its stream
+  slice ``s`` at ``+ s * slice_elements``, piece ``k`` of that slice at
+  ``+ k * piece_elements``. The grid is virtual: positions at or beyond ``n`` (and beyond
+  ``stride`` within a chunk) do not exist, are never sent, waited for or added. So chunks
+  before ``last_chunk`` are whole, chunk ``last_chunk`` holds ``last_extent`` elements,
+  and later chunks are empty. ``stride`` and both slice lengths are whole DMA words; only
+  the buffer's final ``tail`` elements (``n`` modulo a DMA word) are not, and travel by
+  DMAs of their own (see ``_reduce_scatter_kernel``).
   """
-  *chunks, rows, _ = dst.shape
-  total = math.prod(chunks)
-  own_vmem = own_bufs.at[:, pl.ds(0, rows)]
-  in_vmem = in_bufs.at[:, pl.ds(0, rows)]
 
-  def chunk(i):
-    index, rest = [], i
-    for size in reversed(chunks):  # row-major over the chunk dimensions
-      index.insert(0, rest % size)
-      rest = rest // size
-    return tuple(index)
+  n: int
+  stride: int
+  slice_elements: int
+  piece_elements: int
+  itemsize: int
 
-  def loads(i, slot):
-    return (
-      pltpu.make_async_copy(own.at[chunk(i)], own_vmem.at[slot], sems.at[0, slot]),
-      pltpu.make_async_copy(src.at[chunk(i)], in_vmem.at[slot], sems.at[1, slot]),
+  def __post_init__(self):
+    words = (self.stride, self.slice_elements, self.piece_elements)
+    if self.n < 1 or any(size < 1 or size % self.align for size in words):
+      raise ValueError(f"chunk stride and slice lengths must be whole DMA words: {self}")
+
+  @property
+  def align(self) -> int:
+    return dma_alignment(self.itemsize)
+
+  @property
+  def last_chunk(self) -> int:
+    return (self.n - 1) // self.stride
+
+  @property
+  def last_extent(self) -> int:
+    return self.n - self.last_chunk * self.stride
+
+  @property
+  def tail(self) -> int:
+    return self.n % self.align
+
+  def lengths(self, offset: int, size: int) -> tuple[int, int]:
+    """Elements of the segment ``[offset, offset + size)`` of a chunk that exist in a whole
+    chunk and in the last chunk."""
+    clip = lambda extent: min(max(extent - offset, 0), size)  # noqa: E731
+    return clip(self.stride), clip(self.last_extent)
+
+  def valid_elements(self, offset: int, size: int, chunks: int) -> int:
+    """Elements of the segment that exist, summed over ``chunks`` chunks of the grid."""
+    whole, last = self.lengths(offset, size)
+    return self.last_chunk * whole + last if chunks > self.last_chunk else chunks * whole
+
+
+class _Slab:
+  """The chunks of one transfer's slab: ``size`` of them, row-major over the slab's grid
+  axes other than the phase's (``carried``), the ``j``-th at chunk ``chunk(j)``. A receive
+  slot holds the ``j``-th chunk's stream slice at ``j * slice_elements``, so sender and
+  receiver, who enumerate the same slab, agree on where everything goes."""
+
+  def __init__(self, transfer: schedule_lib.Transfer, torus, coords, slab):
+    self.phase_axis = transfer.phase.axis
+    self.carried = [a for a in transfer.live_axes if a != self.phase_axis]
+    self.torus, self.coords, self.slab = tuple(torus), tuple(coords), slab
+    self.size = math.prod(self.torus[a] for a in self.carried)
+    self.row_stride = [math.prod(self.torus[a + 1 :]) for a in range(len(self.torus))]
+    fixed = [self.slab if a == self.phase_axis else self.coords[a] for a in range(len(torus))]
+    self.base = sum(
+      fixed[a] * self.row_stride[a] for a in range(len(torus)) if a not in self.carried
     )
 
-  def store(i, slot):
-    return pltpu.make_async_copy(own_vmem.at[slot], dst.at[chunk(i)], sems.at[2, slot])
+  def chunk(self, j):
+    c, rest = self.base, j
+    for a in reversed(self.carried):
+      c = c + (rest % self.torus[a]) * self.row_stride[a]
+      rest = rest // self.torus[a]
+    return c
 
-  for copy in loads(0, 0):
-    copy.start()
+  def position(self, chunk: int) -> int:
+    """Index in the slab of grid chunk ``chunk``, if the slab holds it (``holds``)."""
+    index = np.unravel_index(chunk, self.torus)
+    j = 0
+    for a in self.carried:
+      j = j * self.torus[a] + int(index[a])
+    return j
 
-  def body(i, carry):
-    slot = i % 2
-    for copy in loads(i, slot):
-      copy.wait()
-
-    @pl.when(i + 1 < total)
-    def _prefetch():
-      @pl.when(i >= 1)
-      def _free_other_slot():
-        store(i - 1, 1 - slot).wait()
-
-      for copy in loads(i + 1, 1 - slot):
-        copy.start()
-
-    own_vmem[slot] = _add(own_vmem[slot], in_vmem[slot])
-    store(i, slot).start()
-    return carry
-
-  lax.fori_loop(0, total, body, 0)
-  if total >= 2:
-    store(total - 2, total % 2).wait()
-  store(total - 1, (total - 1) % 2).wait()
+  def holds(self, chunk: int):
+    """Whether this slab holds grid chunk ``chunk`` (a traced bool)."""
+    index = np.unravel_index(chunk, self.torus)
+    held = self.slab == int(index[self.phase_axis])
+    for a, own in enumerate(self.coords):
+      if a != self.phase_axis and a not in self.carried:
+        held = jnp.logical_and(held, own == int(index[a]))
+    return held
 
 
-def _recv_axes(schedule: schedule_lib.Schedule, stream: int) -> tuple[int, ...]:
-  """Grid axes a stream's receive slot spans: those of its first (largest) slab."""
-  first = schedule.stream_transfers(stream)[0]
-  return tuple(a for a in first.live_axes if a != first.phase.axis)
+def _each_length(layout: Layout, slab: _Slab, j, offset: int, size: int, fn, *, words: bool):
+  """Calls ``fn(length, chunk, j)`` for the ``j``-th chunk of ``slab`` if the segment
+  ``[offset, offset + size)`` of that chunk has elements, inside a ``pl.when`` on the
+  (traced) chunk index, with the static length it has there. With ``words``, a length is
+  cut to whole DMA words (the buffer's tail is then left to the caller). In the last chunk
+  the chunk and ``j`` are passed as Python ints, so every offset there is static."""
+  whole, last = layout.lengths(offset, size)
+  if words:
+    last -= last % layout.align
+  chunk = slab.chunk(j)
+
+  def call(length, chunk, j):
+    def body():
+      fn(length, chunk, j)
+
+    return body
+
+  if whole == last:
+    if whole and layout.last_chunk == math.prod(slab.torus) - 1:
+      fn(whole, chunk, j)
+    elif whole:
+      pl.when(chunk <= layout.last_chunk)(call(whole, chunk, j))
+    return
+  if whole and layout.last_chunk > 0:
+    pl.when(chunk < layout.last_chunk)(call(whole, chunk, j))
+  if last:
+    last_chunk = layout.last_chunk
+    pl.when(chunk == last_chunk)(call(last, last_chunk, slab.position(last_chunk)))
 
 
-def _recv_shape(schedule: schedule_lib.Schedule, stream: int) -> tuple[int, ...]:
-  return tuple(schedule.torus[a] for a in _recv_axes(schedule, stream)) or (1,)
+def _at(ref, start, size: int, align: int):
+  """``ref[start : start + size]`` for a 1-D ref; ``start`` a multiple of ``align``."""
+  if not isinstance(start, int):
+    start = pl.multiple_of(start, align)
+  return ref.at[pl.ds(start, size)]
 
 
-def _recv_view(recv_ref, slot: int, transfer: schedule_lib.Transfer, schedule):
-  """A stream's receive slot ``slot`` viewed with the shape of ``transfer``'s slab.
+def _for_each(size: int, body) -> None:
+  """``body(j)`` for ``j`` in ``range(size)``: traced once, as a loop if ``size > 1``."""
+  if size == 1:
+    body(0)
+  else:
+    lax.fori_loop(0, size, lambda j, carry: (body(j), carry)[1], 0)
 
-  The slot spans the stream's first slab; every later slab of a reduce-scatter spans a
-  subset of its axes (a single chunk, at the least), so it is the slot's corner along them.
+
+def pieces(slice_elements: int, piece_elements: int) -> list[tuple[int, int]]:
+  """``(offset, elements)`` of the pieces a stream slice is cut into: whole pieces, then
+  the remainder."""
+  return [
+    (start, min(piece_elements, slice_elements - start))
+    for start in range(0, slice_elements, piece_elements)
+  ]
+
+
+def _accumulate(slab: _Slab, each, own_at, src_at, dst_at, own_bufs, in_bufs, sems, block: int):
+  """``dst = own + src`` over the chunks of ``slab``, each chunk's segment through VMEM.
+
+  ``each(j, fn)`` calls ``fn(length, chunk, j)`` for the ``j``-th chunk when its segment
+  has elements (``_each_length``); ``own_at``, ``src_at`` and ``dst_at`` map
+  ``(length, chunk, j)`` to HBM views. Double-buffered: chunk ``j + 1`` loads while chunk
+  ``j`` is added and stored. ``sems[0|1|2, slot]`` track the own load, the received load
+  and the store of a slot; ``own_bufs`` and ``in_bufs`` hold two blocks of ``block``.
   """
-  carried = [a for a in transfer.live_axes if a != transfer.phase.axis]
-  recv_axes = _recv_axes(schedule, transfer.stream)
-  if carried:
-    index = [pl.ds(0, schedule.torus[a]) if a in carried else 0 for a in recv_axes]
-  else:  # a single chunk, with a leading dimension of 1 as in ``slab_view``
-    index = [pl.ds(0, 1)] + [0] * (len(recv_axes) - 1)
-  return recv_ref.at[(slot, *index)]
+
+  def vmem(bufs, slot, length):
+    return _at(bufs, slot * block, length, block)
+
+  def loads(slot, length, chunk, j):
+    return (
+      pltpu.make_async_copy(
+        own_at(length, chunk, j), vmem(own_bufs, slot, length), sems.at[0, slot]
+      ),
+      pltpu.make_async_copy(
+        src_at(length, chunk, j), vmem(in_bufs, slot, length), sems.at[1, slot]
+      ),
+    )
+
+  def store(slot, length, chunk, j):
+    return pltpu.make_async_copy(
+      vmem(own_bufs, slot, length), dst_at(length, chunk, j), sems.at[2, slot]
+    )
+
+  def start_loads(slot):
+    return lambda *seg: [copy.start() for copy in loads(slot, *seg)]
+
+  def add_and_store(slot):
+    def run(length, chunk, j):
+      own = vmem(own_bufs, slot, length)
+      own[...] = _add(own[...], vmem(in_bufs, slot, length)[...])
+      store(slot, length, chunk, j).start()
+
+    return run
+
+  each(0, start_loads(0))
+
+  def body(j):
+    slot = j % 2
+    each(j, lambda *seg: [copy.wait() for copy in loads(slot, *seg)])
+
+    @pl.when(j + 1 < slab.size)
+    def _prefetch():
+      @pl.when(j >= 1)
+      def _free_other_slot():
+        each(j - 1, lambda *seg: store(1 - slot, *seg).wait())
+
+      each(j + 1, start_loads(1 - slot))
+
+    each(j, add_and_store(slot))
+
+  _for_each(slab.size, body)
+  total = slab.size
+  if total >= 2:
+    each(total - 2, lambda *seg: store(total % 2, *seg).wait())
+  each(total - 1, lambda *seg: store((total - 1) % 2, *seg).wait())
 
 
-def _reduce_scatter_kernel(schedule, topo_args, slab_pieces, coords_ref, x_ref, acc_ref, *refs):
+def _slot_chunks(schedule: schedule_lib.Schedule, stream: int) -> int:
+  """Chunks of a stream's largest (first) slab: what one receive slot holds."""
+  first = schedule.stream_transfers(stream)[0]
+  return math.prod(schedule.torus[a] for a in first.live_axes if a != first.phase.axis)
+
+
+def _tail_stream_piece(layout: Layout, slab_pieces) -> tuple[int, int] | None:
+  """(stream, piece) whose segment holds the buffer's tail, or None without a tail."""
+  if not layout.tail:
+    return None
+  at = layout.last_extent - 1  # the tail's last element, within the last chunk
+  stream = at // layout.slice_elements
+  offset = at - stream * layout.slice_elements
+  return stream, next(k for k, (o, size) in enumerate(slab_pieces) if o <= offset < o + size)
+
+
+def _reduce_scatter_kernel(
+  schedule, topo_args, layout, slab_pieces, own_out, coords_ref, x_ref, acc_ref, *refs
+):
   streams = schedule.num_streams
-  recv_refs = refs[:streams]  # one per stream: (slots, *its first slab's chunks, R, 128)
-  send_sems, recv_sems, capacity, buf_own, buf_in, local_sems = refs[streams:]
+  tail_at = _tail_stream_piece(layout, slab_pieces)
+  refs = list(refs)
+  out_ref = refs.pop(0) if own_out else None  # the own chunk's sum, when asked for alone
+  recv_refs = [refs.pop(0) for _ in range(streams)]  # per stream: slots x chunks x slice
+  tail_slots = [refs.pop(0) for _ in range(_RECV_SLOTS)] if tail_at else None
+  send_sems, recv_sems, capacity, buf_own, buf_in, local_sems = refs[:6]
+  tail_own, tail_in = refs[6:] if tail_at else (None, None)
   topo = _Topology(*topo_args, coords_ref)
   steps = schedule.steps()
   phase_of = _phase_index(schedule)
+  L, align, n = layout.slice_elements, layout.align, layout.n
+  block = min(layout.piece_elements, L)
+  slot_sizes = [_slot_chunks(schedule, k) * L for k in range(streams)]
 
   def own_terms(tr, t):
     # In a stream's first phase no slab is received twice, so the own term of every add
@@ -293,51 +452,109 @@ def _reduce_scatter_kernel(schedule, topo_args, slab_pieces, coords_ref, x_ref, 
     # only ever read, so XLA need not copy an input it may not clobber.
     return x_ref if phase_of[tr.stream][t] == phase_of[tr.stream][0] else acc_ref
 
-  def rows(view, piece):  # rows [start, start + size) of every chunk of a slab view
-    start, size = piece
-    return view.at[(slice(None),) * (len(view.shape) - 2) + (pl.ds(start, size),)]
+  def in_grid(ref, tr, piece_offset):  # (length, chunk, j) -> a segment of a chunk
+    offset = tr.stream * L + piece_offset
+    return lambda length, chunk, j: _at(ref, chunk * layout.stride + offset, length, align)
+
+  def in_slot(tr, slot, piece_offset):  # (length, chunk, j) -> the segment in a slot
+    base = slot * slot_sizes[tr.stream] + piece_offset
+    return lambda length, chunk, j: _at(recv_refs[tr.stream], base + j * L, length, align)
+
+  def piece_copy(tr, slot, k, src, dst, length, chunk, j):
+    return pltpu.make_async_remote_copy(
+      src(length, chunk, j),
+      dst(length, chunk, j),
+      send_sems.at[tr.stream, slot, k],
+      recv_sems.at[tr.stream, slot, k],
+      device_id=topo.neighbour(tr.phase.axis, tr.phase.direction),
+    )
+
+  def tail_copy(tr, slot, k, src_ref):
+    # The buffer's last ``tail`` elements: a slice that ends where its array ends, into
+    # a slot of exactly that length (a DMA moves no other slice shorter than a word).
+    return pltpu.make_async_remote_copy(
+      src_ref.at[pl.ds(n - layout.tail, layout.tail)],
+      tail_slots[slot],
+      send_sems.at[tr.stream, slot, k],
+      recv_sems.at[tr.stream, slot, k],
+      device_id=topo.neighbour(tr.phase.axis, tr.phase.direction),
+    )
+
+  def piece_copies(tr, slot, k, src_ref, slab, action):
+    """``action`` on every DMA of piece ``k`` of ``slab``: one per chunk, plus the tail's."""
+    piece_offset, size = slab_pieces[k]
+    src, dst = in_grid(src_ref, tr, piece_offset), in_slot(tr, slot, piece_offset)
+
+    def each_chunk(j):
+      _each_length(
+        layout,
+        slab,
+        j,
+        tr.stream * L + piece_offset,
+        size,
+        lambda *seg: action(piece_copy(tr, slot, k, src, dst, *seg)),
+        words=True,
+      )
+
+    _for_each(slab.size, each_chunk)
+    if tail_at == (tr.stream, k):
+
+      @pl.when(slab.holds(layout.last_chunk))
+      def _tail():
+        action(tail_copy(tr, slot, k, src_ref))
+
+  def final_store(tr, t) -> bool:
+    return own_out and t == len(steps) - 1
 
   with jax.named_scope("barrier"):
     topo.barrier(schedule)
   for t, transfers in enumerate(steps):
     slot = t % _RECV_SLOTS
-    copies = []
+    sent, received = [], []
     with jax.named_scope(f"send_step{t}"):
       for tr in transfers:
-        # Step 0 sends the input's terms; every later slab sent was summed a step before.
-        src = topo.slab_view(
-          x_ref if t == 0 else acc_ref, tr, topo.slab(tr.phase, tr.step, sending=True)
-        )
-        dst = _recv_view(recv_refs[tr.stream], slot, tr, schedule)
         if t >= _RECV_SLOTS:  # the downstream slot still holds step t - 2 until freed
           pl.semaphore_wait(capacity.at[tr.stream, phase_of[tr.stream][t], slot], 1)
-        # One DMA (and semaphore pair) per piece: the receiver adds piece k while the
-        # link still carries pieces k + 1, ...
-        piece_copies = []
-        for k, piece in enumerate(slab_pieces):
-          copy = pltpu.make_async_remote_copy(
-            rows(src, piece),
-            rows(dst, piece),
-            send_sems.at[tr.stream, slot, k],
-            recv_sems.at[tr.stream, slot, k],
-            device_id=topo.neighbour(tr.phase.axis, tr.phase.direction),
-          )
-          copy.start()
-          piece_copies.append(copy)
-        copies.append(piece_copies)
+        # Step 0 sends the input's terms; every later slab sent was summed a step before.
+        slab = topo.slab_chunks(tr, topo.slab(tr.phase, tr.step, sending=True))
+        sent.append(slab)
+        # One DMA per chunk and piece, a semaphore pair per piece: the receiver adds
+        # piece k while the link still carries pieces k + 1, ...
+        for k in range(len(slab_pieces)):
+          piece_copies(tr, slot, k, x_ref if t == 0 else acc_ref, slab, lambda c: c.start())
     with jax.named_scope(f"reduce_step{t}"):
-      for k, piece in enumerate(slab_pieces):
-        for tr, piece_copies in zip(transfers, copies):
-          piece_copies[k].wait_recv()
-          place = topo.slab(tr.phase, tr.step, sending=False)
+      for tr in transfers:
+        received.append(topo.slab_chunks(tr, topo.slab(tr.phase, tr.step, sending=False)))
+      for k, (piece_offset, size) in enumerate(slab_pieces):
+        for tr, slab in zip(transfers, received):
+          # A piece's semaphore counts the DMAs of all its chunks: wait for all of them
+          # before adding any.
+          piece_copies(tr, slot, k, acc_ref, slab, lambda c: c.wait_recv())
+          own = own_terms(tr, t)
+          if final_store(tr, t):  # the own chunk, into the output of its own
+            offset = tr.stream * L + piece_offset
+            dst = lambda length, chunk, j, o=offset: _at(out_ref, o, length, align)  # noqa: E731
+          else:
+            dst = in_grid(acc_ref, tr, piece_offset)
           _accumulate(
-            rows(topo.slab_view(acc_ref, tr, place), piece),
-            rows(topo.slab_view(own_terms(tr, t), tr, place), piece),
-            piece_copies[k].dst_ref,
+            slab,
+            lambda j, fn, tr=tr, slab=slab, o=piece_offset, size=size: _each_length(
+              layout, slab, j, tr.stream * L + o, size, fn, words=True
+            ),
+            in_grid(own, tr, piece_offset),
+            in_slot(tr, slot, piece_offset),
+            dst,
             buf_own,
             buf_in,
             local_sems,
+            block,
           )
+          if tail_at == (tr.stream, k):
+            pl.when(slab.holds(layout.last_chunk))(
+              functools.partial(
+                _add_tail, layout, own, tail_slots[slot], acc_ref, tail_own, tail_in, local_sems
+              )
+            )
       for tr in transfers:
         if t + _RECV_SLOTS < len(steps):  # free the slot for whoever fills it next
           later = steps[t + _RECV_SLOTS][tr.stream].phase
@@ -346,71 +563,123 @@ def _reduce_scatter_kernel(schedule, topo_args, slab_pieces, coords_ref, x_ref, 
             1,
             device_id=topo.neighbour(later.axis, -later.direction),
           )
-      for piece_copies in copies:
-        for copy in piece_copies:
-          copy.wait_send()
+      for tr, slab in zip(transfers, sent):
+        for k in range(len(slab_pieces)):
+          piece_copies(tr, slot, k, x_ref if t == 0 else acc_ref, slab, lambda c: c.wait_send())
+
+
+def _add_tail(layout: Layout, own_ref, slot_ref, acc_ref, own_vmem, in_vmem, sems) -> None:
+  """``acc[n - tail:] = own[n - tail:] + slot`` through VMEM arrays of exactly the tail's
+  length (the only VMEM destination a DMA shorter than a word may have)."""
+  tail = pl.ds(layout.n - layout.tail, layout.tail)
+  loads = (
+    pltpu.make_async_copy(own_ref.at[tail], own_vmem, sems.at[0, 0]),
+    pltpu.make_async_copy(slot_ref, in_vmem, sems.at[1, 0]),
+  )
+  for copy in loads:
+    copy.start()
+  for copy in loads:
+    copy.wait()
+  own_vmem[...] = _add(own_vmem[...], in_vmem[...])
+  store = pltpu.make_async_copy(own_vmem, acc_ref.at[tail], sems.at[2, 0])
+  store.start()
+  store.wait()
 
 
 def _all_gather_kernel(
-  schedule, topo_args, coords_ref, x_ref, out_ref, send_sems, recv_sems, local_sem
+  schedule, topo_args, layout, coords_ref, x_ref, out_ref, send_sems, recv_sems, local_sem
 ):
   topo = _Topology(*topo_args, coords_ref)
+  L, align = layout.slice_elements, layout.align
+  grid = schedule.torus
   if x_ref.shape != out_ref.shape:  # the own chunk alone: place it first
-    own = pltpu.make_async_copy(x_ref, out_ref.at[topo.coords], local_sem)
-    own.start()
-    own.wait()
+    own = sum(c * math.prod(grid[a + 1 :]) for a, c in enumerate(topo.coords))
+    copy = pltpu.make_async_copy(
+      x_ref, _at(out_ref, own * layout.stride, layout.stride, align), local_sem
+    )
+    copy.start()
+    copy.wait()
   else:  # the whole grid, aliased with the output: the own chunk is already in place
     del x_ref, local_sem
+
+  def copies(tr, t, slab, action):
+    # Sender and receiver address the same chunks at the same places; a slice that
+    # holds the buffer's end is sent whole (a DMA between HBM arrays may end short of a
+    # word where its arrays end).
+    def each_chunk(j):
+      def run(length, chunk, j):
+        view = _at(out_ref, chunk * layout.stride + tr.stream * L, length, align)
+        action(
+          pltpu.make_async_remote_copy(
+            view,
+            view,
+            send_sems.at[tr.stream, t],
+            recv_sems.at[tr.stream, t],
+            device_id=topo.neighbour(tr.phase.axis, tr.phase.direction),
+          )
+        )
+
+      _each_length(layout, slab, j, tr.stream * L, L, run, words=False)
+
+    _for_each(slab.size, each_chunk)
+
   with jax.named_scope("barrier"):
     topo.barrier(schedule)
   for t, transfers in enumerate(schedule.steps()):
-    copies = []
     with jax.named_scope(f"gather_step{t}"):
+      sent = [topo.slab_chunks(tr, topo.slab(tr.phase, tr.step, sending=True)) for tr in transfers]
+      for tr, slab in zip(transfers, sent):
+        copies(tr, t, slab, lambda c: c.start())
       for tr in transfers:
-        # Sender and receiver differ only along the phase axis, where both address the
-        # same slab, so the slab has the same view on both sides.
-        view = topo.slab_view(out_ref, tr, topo.slab(tr.phase, tr.step, sending=True))
-        copy = pltpu.make_async_remote_copy(
-          view,
-          view,
-          send_sems.at[tr.stream, t],
-          recv_sems.at[tr.stream, t],
-          device_id=topo.neighbour(tr.phase.axis, tr.phase.direction),
-        )
-        copy.start()
-        copies.append(copy)
-      for copy in copies:
-        copy.wait_recv()
-      for copy in copies:
-        copy.wait_send()
+        slab = topo.slab_chunks(tr, topo.slab(tr.phase, tr.step, sending=False))
+        copies(tr, t, slab, lambda c: c.wait_recv())
+      for tr, slab in zip(transfers, sent):
+        copies(tr, t, slab, lambda c: c.wait_send())
+
+
+def _elements_sent(schedule: schedule_lib.Schedule, layout: Layout) -> float:
+  """Elements one device sends over the schedule, averaged over the devices.
+
+  Which device moves the last, partial chunk changes with the step, so devices differ by
+  up to a chunk; summed over all devices a transfer moves each existing element of its
+  stream's slices ``slab size`` times (every device sends one slab, and the slabs of all
+  devices cover the grid that often)."""
+  total = 0
+  for step in schedule.steps():
+    for tr in step:
+      slab_size = math.prod(schedule.torus[a] for a in tr.live_axes if a != tr.phase.axis)
+      total += slab_size * layout.valid_elements(
+        tr.stream * layout.slice_elements, layout.slice_elements, schedule.num_devices
+      )
+  return total / schedule.num_devices
 
 
 def _schedule_cost(
   schedule: schedule_lib.Schedule,
-  slice_elements: int,
-  itemsize: int,
+  layout: Layout,
   *,
   reduce: bool,
   own_copy: int = 0,
 ) -> pl.CostEstimate:
-  """The kernel's cost for XLA's scheduler, priced from the schedule itself.
+  """The kernel's cost for XLA's scheduler, priced from the schedule and the layout.
 
-  Counted per element a device sends (``sent``, summed over the schedule's transfers): one
-  HBM read by the sending DMA and one HBM write where it lands (remote, but in some
-  chip's HBM). A reduction adds, per received element, two HBM reads into VMEM (own
-  partial sum and received one), one HBM write of the sum, and one add: 5 HBM accesses
-  per element sent in all, 2 without reduction. ``own_copy`` elements copied locally
-  (the all-gather placing its own chunk) cost a read and a write each. Over a ring
-  reduce-scatter plus all-gather of S bytes on p devices this is the ideal 7 (p-1)/p S.
+  Counted per existing element a device sends (``_elements_sent``; positions beyond the
+  buffer's end are never moved, so padding never counts): one HBM read by the sending
+  DMA and one HBM write where it lands (remote, but in some chip's HBM). A reduction
+  adds, per received element, two HBM reads into VMEM (own partial sum and received one),
+  one HBM write of the sum, and one add: 5 HBM accesses per element sent in all, 2
+  without reduction (the tail's DMAs move exactly its elements, too). ``own_copy``
+  elements copied locally (the all-gather placing its own chunk) cost a read and a write
+  each. Over a ring reduce-scatter plus all-gather of S bytes on p devices this is the
+  ideal 7 (p-1)/p S.
   """
-  sent = sum(
-    t.slab_elements(schedule.torus, slice_elements) for step in schedule.steps() for t in step
-  )
+  sent = _elements_sent(schedule, layout)
+  itemsize = layout.itemsize
   return pl.CostEstimate(
-    flops=sent if reduce else 0,
+    flops=round(sent) if reduce else 0,
     transcendentals=0,
-    bytes_accessed=((5 if reduce else 2) * sent + 2 * own_copy) * itemsize,
-    remote_bytes_transferred=sent * itemsize,
+    bytes_accessed=round(((5 if reduce else 2) * sent + 2 * own_copy) * itemsize),
+    remote_bytes_transferred=round(sent * itemsize),
   )
 
 
@@ -425,59 +694,78 @@ def reduce_scatter_call(
   schedule: schedule_lib.Schedule,
   axes: Sequence[str],
   mesh_axes: Sequence[str],
-  block_rows: int,
+  layout: Layout,
+  *,
+  own_out: bool = False,
 ) -> jax.Array:
-  """Runs a reduce-scatter ``schedule`` on ``x`` of shape ``(*torus, S, R, 128)``.
+  """Runs a reduce-scatter ``schedule`` on the 1-D ``x`` of ``layout.n`` elements.
 
-  Returns the work buffer: the own chunk ``[*coords]`` holds the full sum, the rest holds
-  partial sums.
+  Returns the work buffer (``x``'s shape): the own chunk holds the full sum, the rest
+  partial sums; or, with ``own_out``, the own chunk's ``layout.stride`` elements alone
+  (the last step stores them there instead of into the work buffer).
   """
   streams = schedule.num_streams
-  _, rows, lanes = x.shape[-3:]
   phases = max(len(p) for p in schedule.streams)
-  slab_pieces = pieces(rows, block_rows)
+  slab_pieces = pieces(layout.slice_elements, layout.piece_elements)
   semaphores = 2 * streams * _RECV_SLOTS * len(slab_pieces) + streams * phases * _RECV_SLOTS
   if semaphores > _MAX_SEMAPHORES:
     raise ValueError(
-      f"{len(slab_pieces)} pieces of {block_rows=} per slice of {rows} rows need "
-      f"{semaphores} semaphores, more than the {_MAX_SEMAPHORES} a kernel may hold; pass "
-      "a larger KernelConfig(block_rows=...)"
+      f"{len(slab_pieces)} pieces of {layout.piece_elements // 128} rows (block_rows) per "
+      f"slice of {layout.slice_elements // 128} rows need {semaphores} semaphores, more "
+      f"than the {_MAX_SEMAPHORES} a kernel may hold; pass a larger "
+      "KernelConfig(block_rows=...)"
     )
+  tail_at = _tail_stream_piece(layout, slab_pieces)
+  if own_out and tail_at:
+    raise ValueError(f"own_out needs whole DMA words per chunk: {layout}")
   kernel = functools.partial(
     _reduce_scatter_kernel,
     schedule,
     (tuple(axes), schedule.torus, tuple(mesh_axes)),
+    layout,
     slab_pieces,
+    own_out,
   )
+  block = min(layout.piece_elements, layout.slice_elements)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  # Receive slots live in HBM; an output is how a kernel gets an HBM buffer. One per
+  # stream, holding its largest slab twice (double-buffered); two more of the tail's
+  # length when the buffer ends inside a DMA word.
+  outputs = [(layout.n,)]
+  if own_out:
+    outputs.append((layout.stride,))
+  outputs += [
+    (_RECV_SLOTS * _slot_chunks(schedule, k) * layout.slice_elements,) for k in range(streams)
+  ]
+  scratch = [
+    pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS, len(slab_pieces))),
+    pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS, len(slab_pieces))),
+    pltpu.SemaphoreType.REGULAR((streams, phases, _RECV_SLOTS)),
+    pltpu.VMEM((2 * block,), x.dtype),
+    pltpu.VMEM((2 * block,), x.dtype),
+    pltpu.SemaphoreType.DMA((3, 2)),
+  ]
+  if tail_at:
+    outputs += [(layout.tail,)] * _RECV_SLOTS
+    scratch += [pltpu.VMEM((layout.tail,), x.dtype)] * 2
   grid_spec = pltpu.PrefetchScalarGridSpec(
     num_scalar_prefetch=1,
     in_specs=[any_spec],
-    out_specs=(any_spec,) * (1 + streams),
-    scratch_shapes=[
-      pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS, len(slab_pieces))),
-      pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS, len(slab_pieces))),
-      pltpu.SemaphoreType.REGULAR((streams, phases, _RECV_SLOTS)),
-      pltpu.VMEM((2, min(block_rows, rows), lanes), x.dtype),
-      pltpu.VMEM((2, min(block_rows, rows), lanes), x.dtype),
-      pltpu.SemaphoreType.DMA((3, 2)),
-    ],
+    out_specs=(any_spec,) * len(outputs),
+    scratch_shapes=scratch,
   )
-  # Receive slots live in HBM; an output is how a kernel gets an HBM buffer. One per
-  # stream, shaped like its largest slab (on a 3-D torus that spans two grid axes).
-  recv_shapes = [(_RECV_SLOTS, *_recv_shape(schedule, k), rows, lanes) for k in range(streams)]
-  acc, *_ = pl.pallas_call(
+  acc, *rest = pl.pallas_call(
     kernel,
-    out_shape=(_hbm_like(x, x.shape), *(_hbm_like(x, shape) for shape in recv_shapes)),
+    out_shape=tuple(_hbm_like(x, shape) for shape in outputs),
     grid_spec=grid_spec,
-    cost_estimate=_schedule_cost(schedule, rows * lanes, x.dtype.itemsize, reduce=True),
+    cost_estimate=_schedule_cost(schedule, layout, reduce=True),
     compiler_params=pltpu.CompilerParams(
       collective_id=collective_id("reduce_scatter", axes, schedule),
       has_side_effects=True,
     ),
     name=f"torus_reduce_scatter_{'_'.join(axes)}",
   )(mesh_coordinates(mesh_axes), x)
-  return acc
+  return rest[0] if own_out else acc
 
 
 def all_gather_call(
@@ -485,19 +773,20 @@ def all_gather_call(
   schedule: schedule_lib.Schedule,
   axes: Sequence[str],
   mesh_axes: Sequence[str],
+  layout: Layout,
 ) -> jax.Array:
-  """Runs an all-gather ``schedule``; returns the full grid ``(*torus, S, R, 128)``.
+  """Runs an all-gather ``schedule``; returns the 1-D buffer of ``layout.n`` elements.
 
-  ``x`` is either the own chunk ``(S, R, 128)``, which the kernel copies into its place
-  first, or a whole grid ``(*torus, S, R, 128)`` whose own chunk ``[*coords]`` is the one to
-  gather (a reduce-scatter's work buffer): then the grid is the output, aliased, and the
-  rest of it is overwritten, so the hand-over from a reduce-scatter copies nothing.
+  ``x`` is either the own chunk (``layout.stride`` elements, the grid whole: ``n`` is
+  ``p * stride``), which the kernel copies into its place first, or a whole buffer of
+  ``n`` elements whose own chunk is the one to gather (a reduce-scatter's work buffer):
+  then the buffer is the output, aliased, and the rest of it is overwritten, so the
+  hand-over from a reduce-scatter copies nothing.
   """
   steps, streams = schedule.num_steps, schedule.num_streams
-  chunk_shape = x.shape[-3:]
-  in_place = x.shape == schedule.torus + chunk_shape
+  in_place = x.shape == (layout.n,)
   kernel = functools.partial(
-    _all_gather_kernel, schedule, (tuple(axes), schedule.torus, tuple(mesh_axes))
+    _all_gather_kernel, schedule, (tuple(axes), schedule.torus, tuple(mesh_axes)), layout
   )
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -510,18 +799,13 @@ def all_gather_call(
       pltpu.SemaphoreType.DMA(()),
     ],
   )
-  chunk_elements = chunk_shape[-2] * chunk_shape[-1]
   return pl.pallas_call(
     kernel,
-    out_shape=_hbm_like(x, schedule.torus + chunk_shape),
+    out_shape=_hbm_like(x, (layout.n,)),
     grid_spec=grid_spec,
     input_output_aliases={1: 0} if in_place else {},
     cost_estimate=_schedule_cost(
-      schedule,
-      chunk_elements,
-      x.dtype.itemsize,
-      reduce=False,
-      own_copy=0 if in_place else math.prod(chunk_shape),
+      schedule, layout, reduce=False, own_copy=0 if in_place else layout.stride
     ),
     compiler_params=pltpu.CompilerParams(
       collective_id=collective_id("all_gather", axes, schedule),
