@@ -171,6 +171,18 @@ def glue(compiled, min_elements: int = 1024) -> list[dict]:
   return found
 
 
+def output_copies(ops: list[dict]) -> list[dict]:
+  """The ``glue`` entries that are XLA copying the program's result out of a kernel's
+  buffer (``root`` copies): a consumer of the result would read it in place."""
+  return [g for g in ops if g["root"] and g["op"] == "copy"]
+
+
+def collective_bytes(compiled) -> float:
+  """Bytes accessed by the program less its output copies' (operand and result)."""
+  copies = output_copies(glue(compiled))
+  return summary(compiled)["bytes accessed"] - 2 * sum(g["bytes"] for g in copies)
+
+
 def describe(ops: list[dict]) -> str:
   return (
     ", ".join(
@@ -230,7 +242,11 @@ def main(argv=None) -> None:
       print(f"  {key:22s}{rows['pallas'][key]:18,.0f}{rows['xla'][key]:18,.0f}")
     ideal = ideal_bytes(p, nbytes)
     pallas_bytes = rows["pallas"]["bytes accessed"]
+    collective = collective_bytes(compiled["pallas"])
     print(f"  ideal 7(p-1)/p S       {ideal:18,.0f}   pallas / ideal = {pallas_bytes / ideal:.3f}")
+    print(
+      f"  less output copies     {collective:18,.0f}   pallas / ideal = {collective / ideal:.3f}"
+    )
     wire = declared_wire_bytes(mesh, args.elements, dtype, axes)
     bound = wire_bound(p, nbytes)
     print(f"  wire bytes per device  {wire:18,.0f}   bound 2(p-1)/p S = {bound:,.0f}")

@@ -12,13 +12,23 @@ streams). The all-reduce is that reduce-scatter followed by that all-gather, whi
 exactly the all-reduce schedule (its streams are the reduce-scatter phases followed by the
 all-gather phases, in lockstep).
 
-Layout and padding: chunk ``c`` (``m`` elements) is zero-padded to ``S * R * 128`` elements
-and viewed as ``S`` stream slices of ``R`` rows of 128 lanes, ``R`` a whole number of
-native tiles (8 rows for 32-bit types, 16 for 16-bit ones). The all-reduce instead pads
-the whole buffer once at its end. Any ``m``, ``n`` is accepted; the padding travels over
-the links, at most one tile per stream slice; chunks too small to give every stream a tile
-travel in one stream. Sizes with nothing to pad (``n`` a multiple of ``p * S * 16 * 128``)
-compile to the kernels alone: the reshapes are bitcasts, and nothing is copied between.
+Layout (``torus_kernels.Layout``): the kernels take and return the 1-D buffers as they
+are, viewing chunk ``c`` as ``S`` stream slices of ``R`` rows of 128 lanes, ``R`` a whole
+number of native tiles (8 rows for 32-bit types, 16 for 16-bit ones); chunks too small to
+give every stream a tile travel in one stream. What follows the buffer's end is never
+read, written or sent, so nothing is padded:
+
+* all-reduce, any ``n``: chunk ``c`` starts at ``c * S * R * 128``, the grid runs past
+  ``n`` and the kernels skip what does not exist. No XLA op surrounds the two kernels
+  (compiler estimates for ResNet-50's 25,557,032 elements: ``bench.aot_report``).
+* reduce-scatter and all-gather, chunks of ``m`` elements at ``c * m`` as lax lays them
+  out: the kernels alone when ``m`` is a whole number of 512-byte DMA words (a multiple of
+  128 elements of a 32-bit type, 256 of a 16-bit one), since every DMA must start on a
+  word. Otherwise each chunk is zero-padded to whole words before (reduce-scatter: the
+  input; all-gather: the own chunk) and the padding sliced off after: the glue that
+  remains, at most one word per chunk, which also travels over the links.
+* ``float32_partials`` widens the input before the reduce-scatter and rounds its work
+  buffer after: two converts of the buffer, the price of the option.
 
 dtypes: float32 and int32 reduce in their own type. bfloat16 and float16 partial sums
 travel in their own type (the wire bytes of the bound, 2(p-1)/p S, the format of XLA's

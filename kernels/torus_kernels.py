@@ -1,18 +1,44 @@
-"""Pallas TPU kernels that execute a torus ``Schedule`` with remote DMAs.
+"""Pallas TPU kernels that execute a torus ``Schedule`` with remote DMAs on 1-D buffers.
 
-Each device holds a buffer of shape ``(*torus, S, R, 128)``: the schedule's grid of chunks
-(one dimension per torus axis), each chunk cut into ``S`` stream slices of ``R`` rows of 128
-lanes. Every transfer of the schedule moves one slab (the chunks of the grid that are still
-live, at one index along the phase's axis, in one stream) to the ring neighbour:
+Layout (``Layout``): each device holds a flat buffer of ``n`` elements, over which the
+schedule's grid of chunks is laid virtually. Chunk ``c`` (row-major over the torus
+coordinates) starts at element ``c * stride``, its stream slice ``s`` at ``+ s * L`` and
+piece ``k`` of that slice at ``+ k * P``: ``L`` is ``R`` rows of 128 lanes, ``R`` a whole
+number of native tiles, ``P`` is ``block_rows`` x 128 (the last piece of a slice may be
+shorter), and ``stride`` is ``S * L`` for an all-reduce or the caller's chunk ``m`` for a
+reduce-scatter or all-gather. Positions at or beyond ``n`` (or beyond ``stride`` within a
+chunk) do not exist: a (chunk, stream, piece) wholly beyond them is never sent, waited
+for or added -- sender and receiver address the same chunk, so both ends know -- and the
+one piece that straddles ``n`` moves short. Its length is static, since its place in the
+grid is; only which device handles it at which step is dynamic, so each DMA sits in a
+``pl.when`` on the traced chunk index, the same branch on both ends. No padding exists in
+memory or on the wire, and no XLA pad, reshape or slice surrounds the kernels: Mosaic
+cannot reshape a 1-D ref, and XLA cannot view a 1-D array of unfactorable length as a
+grid without a copy, so the kernels address the 1-D buffer directly.
+
+DMA words: a DMA moves 1-D slices that start on a 512-byte boundary and are a whole
+number of 512-byte words long (128 elements of a 32-bit type, 256 of a 16-bit one).
+``stride``, ``L`` and ``P`` are whole words, so every DMA is, except for the buffer's last
+``n mod word`` elements, its tail. A slice shorter than a word may be moved only where it
+ends at the end of its array, and into VMEM only as a whole VMEM array of its exact
+length; so the tail travels by a DMA of its own into a receive slot of its length, and is
+added through two VMEM arrays of its length. A reduce-scatter or all-gather whose chunk
+``m`` is no whole number of words cannot place its chunks on word boundaries: the caller
+pads each chunk to whole words (``pallas_backend``).
+
+Each transfer of the schedule moves one slab (the chunks of the grid that are still live,
+at one index along the phase's axis, in one stream) to the ring neighbour, one DMA per
+chunk (the chunks of a slab are not contiguous in the buffer):
 
 * reduce-scatter: the slab goes HBM -> neighbour's HBM receive slot by remote DMA (one
-  slot array per stream, shaped like its first, largest slab: on a 3-D torus that slab
-  spans two grid axes, and a DMA needs the same shape on both sides, so no slot is a
-  flattened view); the receiver then adds it to its own partial sums, streaming both
-  through VMEM in blocks of ``block_rows`` x 128, and stores the sum in the work buffer
-  (the kernel's output). The first phase of each stream reads its own terms from the
-  input, later phases from the work buffer, so the input is only read (XLA need not copy
-  an input it may not clobber) and the own chunk ends up fully reduced in the work buffer.
+  slot array per stream, holding its largest slab, chunk ``j`` of a slab at ``j * L``);
+  the receiver then adds it to its own partial sums, streaming both through VMEM a piece
+  at a time, and stores the sum in the work buffer (the kernel's first output). The
+  first phase of each stream reads its own terms from the input, later phases from the
+  work buffer, so the input is only read (XLA need not copy an input it may not clobber)
+  and the own chunk ends up fully reduced in the work buffer -- or, for a reduce-scatter
+  returning only its chunk, in an output of ``stride`` elements that the last step
+  stores into.
 * all-gather: the slab goes straight from the sender's output buffer into the same place in
   the receiver's output buffer; every place is written exactly once, so no staging is needed.
   Given a reduce-scatter's work buffer (the own chunk reduced in place), the all-gather
@@ -28,6 +54,9 @@ Synchronisation:
   after that neighbour has entered the kernel;
 * one DMA semaphore per (stream, receive slot, piece) on each side, so a DMA that lands
   early (in whatever order the hardware completes them) is never mistaken for another.
+  A piece's semaphore counts all its DMAs (one per chunk of the slab, and the tail's);
+  DMA semaphores count bytes, so the receiver waits for every one of them, with the same
+  static lengths the sender used, before adding any of them.
   Step t + 2 reuses step t's: its sends start only after the capacity handshake below,
   by which time the receiver has waited step t's semaphores back to zero, and the sender
   waits for its step-t sends before step t + 1 starts;
@@ -35,7 +64,7 @@ Synchronisation:
   semaphore before reusing a slot, signalled by the receiver once it has added the slot's
   previous contents. Capacity semaphores are indexed by (stream, phase, slot), because the
   downstream device changes between phases and signals from two different devices must not
-  be confused.
+  be confused. The handshake runs whether or not a slab has elements.
 
 Under ``shard_map(check_vma=True)`` the outputs carry the input's varying axes, so callers
 pass inputs already varying over the torus axes.
@@ -44,13 +73,13 @@ Assumptions: the reduce-scatter sums 32-bit integers and floats in their own typ
 16-bit floats in float32 in VMEM, rounding each hop's sum back to the buffer's type, so
 partial sums travel at the input's width; the all-gather moves any 16- or 32-bit type;
 ``R`` is a whole number of native tiles (8 rows for 32-bit types, 16 for 16-bit ones);
-the kernels run inside a ``shard_map`` that binds every
-axis of its mesh (device ids are mesh coordinates over all of them).
+the kernels run inside a ``shard_map`` that binds every axis of its mesh (device ids are
+mesh coordinates over all of them).
 
 Pipelining: a reduce-scatter slab is sent as pieces of ``block_rows`` rows of every chunk
-(the last piece may be shorter), each its own DMA with its own semaphore pair, all started
-at once; the receiver adds piece k (interleaving the streams) as soon as it has landed,
-while pieces k + 1, ... are still on the link. So within a step only the last piece's add
+(the last piece may be shorter), each with its own semaphore pair, all started at once;
+the receiver adds piece k (interleaving the streams) as soon as it has landed, while
+pieces k + 1, ... are still on the link. So within a step only the last piece's add
 is not hidden behind the link (``cost_model.predict(reduce_pieces=...)`` prices this).
 The next step's sends still start only when the step's adds are done.
 
@@ -676,10 +705,10 @@ def _schedule_cost(
   sent = _elements_sent(schedule, layout)
   itemsize = layout.itemsize
   return pl.CostEstimate(
-    flops=round(sent) if reduce else 0,
+    flops=math.ceil(sent) if reduce else 0,
     transcendentals=0,
-    bytes_accessed=round(((5 if reduce else 2) * sent + 2 * own_copy) * itemsize),
-    remote_bytes_transferred=round(sent * itemsize),
+    bytes_accessed=math.ceil(((5 if reduce else 2) * sent + 2 * own_copy) * itemsize),
+    remote_bytes_transferred=math.ceil(sent * itemsize),
   )
 
 

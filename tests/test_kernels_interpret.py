@@ -250,10 +250,93 @@ def test_all_reduce_pieces_and_padding(n, block_rows):
 @pytest.mark.parametrize("dtype,rows", [(jnp.float32, 24), (jnp.bfloat16, 32)])
 def test_stream_slices_are_padded_to_one_native_tile_at_most(dtype, rows):
   """17 rows per stream slice pad to 24 (8-row tiles) in 32-bit types, 32 (16-row tiles)
-  in 16-bit ones. Tracing only."""
+  in 16-bit ones: the receive slots (2 slots of a 4-chunk slab) are sized by them, while
+  the buffer itself is not padded. Tracing only."""
   mesh, p = _mesh((2, 4)), 8
+  n = p * 4 * 17 * 128 - 3
   fn = _per_device(lambda v: kernels.all_reduce(v, AXES, (2, 4)), mesh, AXES)
   with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
-    jaxpr = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((8, p * 4 * 17 * 128), dtype)).jaxpr
+    jaxpr = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((8, n), dtype)).jaxpr
   calls = list(_equations(jaxpr, "pallas_call"))
-  assert calls[0].params["out_avals"][0].shape == (2, 4, 4, rows, 128)
+  work, slot = (aval.shape for aval in calls[0].params["out_avals"][:2])
+  assert (work, slot) == ((n,), (2 * 4 * rows * 128,))
+  assert _glue(jaxpr) == []
+
+
+# Operations that would copy (part of) the buffer outside the kernels.
+GLUE = ("pad", "slice", "dynamic_slice", "concatenate", "reshape", "convert_element_type")
+
+
+def _glue(jaxpr) -> list[str]:
+  return [eqn.primitive.name for name in GLUE for eqn in _equations(jaxpr, name)]
+
+
+# Ragged all-reduces on the 2x4 torus with 16-row blocks. The split schedule's chunk is
+# C = 4 streams x R rows x 128 elements, R a whole number of native tiles.
+C_32_ROWS = 4 * 32 * 128  # 32-bit, 32 rows per slice: two pieces of 16 rows
+C_16_ROWS = 4 * 16 * 128  # 16-bit, one 16-row tile per slice
+RAGGED = [
+  # The grid's end 40 short of whole: the last chunk's last piece is cut, its tail
+  # (under a DMA word) travels by a DMA of its own.
+  ("grid-minus-40", 8 * C_32_ROWS - 40, jnp.int32, "on_wait"),
+  # 7 past a 4096-element grid: chunks grow to 16 rows per slice, chunks 5-7 are empty.
+  ("grid-plus-7", 8 * 4096 + 7, jnp.float32, "eager"),
+  ("bf16-ragged", 8 * C_16_ROWS - 300, jnp.bfloat16, "eager"),
+  ("fewer-than-devices", 3, jnp.int32, "eager"),
+  ("one-element", 1, jnp.float32, "on_wait"),
+]
+
+
+@pytest.mark.parametrize("n,dtype,mode", [c[1:] for c in RAGGED], ids=[c[0] for c in RAGGED])
+def test_ragged_all_reduce_matches_lax(n, dtype, mode):
+  """Sizes that are no multiple of the grid, of a DMA word or of the devices, against
+  lax.psum on small integers: exact (16-bit floats too: their sums stay under 256)."""
+  mesh = _mesh((2, 4))
+  x = _inputs(dtype, (8, n), integers=True)
+  want = _per_device(LAX["all_reduce"](AXES), mesh, AXES)(x)
+  fn = _per_device(lambda v: kernels.all_reduce(v, AXES, (2, 4), config=SMALL_BLOCKS), mesh, AXES)
+  with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+    assert _glue(jax.make_jaxpr(fn)(x).jaxpr) == []
+  got = interpreted(mode, fn, x)
+  np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
+
+
+def test_ragged_bfloat16_all_reduce_error_against_float64():
+  """Random bfloat16 on a ragged size, bf16 partial sums: within the per-hop bound of
+  ``test_bfloat16_error_against_float64`` (4 u sum|x_i|) of the exact sum."""
+  mesh, u = _mesh((2, 4)), 2.0**-8
+  x = _inputs(jnp.bfloat16, (8, 8 * C_16_ROWS - 300), integers=False)
+  terms = np.asarray(x, np.float64)
+  fn = _per_device(lambda v: kernels.all_reduce(v, AXES, (2, 4), config=SMALL_BLOCKS), mesh, AXES)
+  got = np.asarray(interpreted("on_wait", fn, x), np.float64)
+  assert np.all(np.abs(got - terms.sum(0)[None]) <= 4 * u * np.abs(terms).sum(0))
+
+
+# Chunks of whole DMA words but not of whole slices: 4480 = 2 slices of 2048 + 384, so
+# stream 2 carries a short slice and stream 3 none.
+WORD_CHUNKS = [
+  ("reduce_scatter", 4480, jnp.int32, "on_wait"),
+  ("reduce_scatter", 4096 + 256, jnp.bfloat16, "eager"),
+  ("all_gather", 4480, jnp.float32, "eager"),
+  ("all_gather", 4096 + 256, jnp.bfloat16, "on_wait"),
+]
+
+
+@pytest.mark.parametrize(
+  "collective,m,dtype,mode",
+  WORD_CHUNKS,
+  ids=[f"{c[0]}-{c[1]}-{jnp.dtype(c[2]).name}-{c[3]}" for c in WORD_CHUNKS],
+)
+def test_word_aligned_chunks_match_lax_without_glue(collective, m, dtype, mode):
+  """Chunks of ``m`` elements, ``m`` whole DMA words (512 bytes): the kernels read and
+  write the caller's buffers as they are (no pad or slice in the program), exact on
+  integers against lax."""
+  mesh, p = _mesh((2, 4)), 8
+  x = _inputs(dtype, (8, INPUT_ELEMENTS[collective](p, m)), integers=True)
+  ours = getattr(kernels, collective)
+  fn = _per_device(lambda v: ours(v, AXES, (2, 4), config=SMALL_BLOCKS), mesh, AXES)
+  with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+    assert _glue(jax.make_jaxpr(fn)(x).jaxpr) == []
+  want = _per_device(LAX[collective](AXES), mesh, AXES)(x)
+  got = interpreted(mode, fn, x)
+  np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))

@@ -138,10 +138,11 @@ def test_each_pattern_has_its_own_collective_id(shape):
     jaxpr = jax.make_jaxpr(fn)(x).jaxpr
     for eqn in aot_report.pallas_calls(jaxpr, mesh):
       cid = eqn.params["compiler_params"].collective_id
-      # The kernel's pattern: its name (kind and axes), its chunk grid (the torus) and its
-      # number of streams (1 or the split schedule's, which use different links).
-      grid = eqn.params["out_avals"][0].shape[:-2]
-      ids.setdefault(cid, set()).add((eqn.params["name"], grid))
+      # The kernel's pattern: its name (kind and axes) and its number of streams (1 or the
+      # split schedule's, which use different links): the first dimension of its DMA
+      # semaphore arrays.
+      sems = [v.aval.shape for v in eqn.params["jaxpr"].invars if "dma_sem" in str(v.aval)]
+      ids.setdefault(cid, set()).add((eqn.params["name"], sems[0][0]))
   patterns = [pattern for group in ids.values() for pattern in group]
   # ring y, ring x, 2-D torus with one stream and 2-D torus split in four, each as a
   # reduce-scatter and an all-gather kernel.
