@@ -366,7 +366,7 @@ def _for_each(size: int, body) -> None:
   """``body(j)`` for ``j`` in ``range(size)``: traced once, as a loop if ``size > 1``."""
   if size == 1:
     body(0)
-  else:
+  elif size > 1:
     lax.fori_loop(0, size, lambda j, carry: (body(j), carry)[1], 0)
 
 
@@ -377,6 +377,29 @@ def pieces(slice_elements: int, piece_elements: int) -> list[tuple[int, int]]:
     (start, min(piece_elements, slice_elements - start))
     for start in range(0, slice_elements, piece_elements)
   ]
+
+
+# Bytes per vector add: one native tile (8 x 128 32-bit, 16 x 128 16-bit elements). A loop
+# over such blocks keeps the kernel's code one add long per piece and step, where adding a
+# whole piece at once unrolls into code the size of the piece.
+_ADD_BYTES = 4096
+
+
+def _add_in_vmem(own, received, length: int) -> None:
+  """``own[:length] += received[:length]`` for 1-D VMEM refs, a native tile at a time."""
+  block = _ADD_BYTES // own.dtype.itemsize
+  whole, rest = divmod(length, block)
+
+  def add(start, size):
+    at = pl.ds(start, size)
+    own[at] = _add(own[at], received[at])
+
+  _for_each(
+    whole,
+    lambda i: add(i * block if isinstance(i, int) else pl.multiple_of(i * block, block), block),
+  )
+  if rest:
+    add(whole * block, rest)
 
 
 def _accumulate(slab: _Slab, each, own_at, src_at, dst_at, own_bufs, in_bufs, sems, block: int):
@@ -412,8 +435,7 @@ def _accumulate(slab: _Slab, each, own_at, src_at, dst_at, own_bufs, in_bufs, se
 
   def add_and_store(slot):
     def run(length, chunk, j):
-      own = vmem(own_bufs, slot, length)
-      own[...] = _add(own[...], vmem(in_bufs, slot, length)[...])
+      _add_in_vmem(vmem(own_bufs, slot, length), vmem(in_bufs, slot, length), length)
       store(slot, length, chunk, j).start()
 
     return run

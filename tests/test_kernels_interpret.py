@@ -340,3 +340,14 @@ def test_word_aligned_chunks_match_lax_without_glue(collective, m, dtype, mode):
   want = _per_device(LAX[collective](AXES), mesh, AXES)(x)
   got = interpreted(mode, fn, x)
   np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
+
+
+def test_too_many_pieces_for_the_semaphores_raises():
+  """60 pieces of 16 rows per slice need more DMA semaphores than a kernel may hold: a
+  clear error at trace time. Tracing only."""
+  mesh = _mesh((2, 4))
+  n = 8 * 4 * 60 * 16 * 128
+  fn = _per_device(lambda v: kernels.all_reduce(v, AXES, (2, 4), config=SMALL_BLOCKS), mesh, AXES)
+  with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+    with pytest.raises(ValueError, match="semaphores.*larger KernelConfig"):
+      jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((8, n), jnp.float32))
