@@ -79,9 +79,11 @@ mesh coordinates over all of them).
 Pipelining: a reduce-scatter slab is sent as pieces of ``block_rows`` rows of every chunk
 (the last piece may be shorter), each with its own semaphore pair, all started at once;
 the receiver adds piece k (interleaving the streams) as soon as it has landed, while
-pieces k + 1, ... are still on the link. So within a step only the last piece's add
-is not hidden behind the link (``cost_model.predict(reduce_pieces=...)`` prices this).
-The next step's sends still start only when the step's adds are done.
+pieces k + 1, ... are still on the link. Within a ring phase the slab sent at step
+t + 1 is the one summed at step t, so piece k of it is sent as soon as its sum is stored
+(after the capacity wait), while later pieces are still being added: the link then idles
+for one piece's add per phase, not per step (``cost_model.predict(reduce_pieces=...)``
+prices this). A step that starts a phase sends once the step before is done.
 
 Nothing here has run on a TPU: the kernels are verified in TPU interpret mode and compile
 for v4, v5e, v5p and v6e.
@@ -559,20 +561,32 @@ def _reduce_scatter_kernel(
 
   with jax.named_scope("barrier"):
     topo.barrier(schedule)
+
+  def forwards(t, tr) -> bool:
+    # Within a ring phase the slab sent at step t + 1 is the one reduced at step t, so
+    # each of its pieces is sent as soon as its sum is stored.
+    return t + 1 < len(steps) and steps[t + 1][tr.stream].step > 0
+
+  def send(t, tr, slab, pieces_to_send):
+    slot = t % _RECV_SLOTS
+    if pieces_to_send[0] == 0 and t >= _RECV_SLOTS:
+      # The downstream slot still holds step t - 2 until freed.
+      pl.semaphore_wait(capacity.at[tr.stream, phase_of[tr.stream][t], slot], 1)
+    # Step 0 sends the input's terms; every later slab sent was summed a step before.
+    for k in pieces_to_send:
+      piece_copies(tr, slot, k, x_ref if t == 0 else acc_ref, slab, lambda c: c.start())
+
   for t, transfers in enumerate(steps):
     slot = t % _RECV_SLOTS
     sent, received = [], []
     with jax.named_scope(f"send_step{t}"):
       for tr in transfers:
-        if t >= _RECV_SLOTS:  # the downstream slot still holds step t - 2 until freed
-          pl.semaphore_wait(capacity.at[tr.stream, phase_of[tr.stream][t], slot], 1)
-        # Step 0 sends the input's terms; every later slab sent was summed a step before.
         slab = topo.slab_chunks(tr, topo.slab(tr.phase, tr.step, sending=True))
         sent.append(slab)
-        # One DMA per chunk and piece, a semaphore pair per piece: the receiver adds
-        # piece k while the link still carries pieces k + 1, ...
-        for k in range(len(slab_pieces)):
-          piece_copies(tr, slot, k, x_ref if t == 0 else acc_ref, slab, lambda c: c.start())
+        if not (t > 0 and forwards(t - 1, tr)):  # else already sent, piece by piece
+          # One DMA per chunk and piece, a semaphore pair per piece: the receiver adds
+          # piece k while the link still carries pieces k + 1, ...
+          send(t, tr, slab, range(len(slab_pieces)))
     with jax.named_scope(f"reduce_step{t}"):
       for tr in transfers:
         received.append(topo.slab_chunks(tr, topo.slab(tr.phase, tr.step, sending=False)))
@@ -605,6 +619,14 @@ def _reduce_scatter_kernel(
               functools.partial(
                 _add_tail, layout, own, tail_slots[slot], acc_ref, tail_own, tail_in, local_sems
               )
+            )
+          if forwards(t, tr):  # piece k of the next step's slab is summed: send it
+            later = steps[t + 1][tr.stream]
+            send(
+              t + 1,
+              later,
+              topo.slab_chunks(later, topo.slab(later.phase, later.step, sending=True)),
+              [k],
             )
       for tr in transfers:
         if t + _RECV_SLOTS < len(steps):  # free the slot for whoever fills it next

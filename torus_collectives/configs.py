@@ -37,7 +37,7 @@ _SCOPED_VMEM_BYTES = {
 }
 _FALLBACK_SCOPED_VMEM_BYTES = 16 << 20
 # Pieces per reduce-scatter slab the default aims for: the link idles for one piece's add
-# per step (modelled as 1/PIECES of the unpipelined add time; see cost_model).
+# per ring phase (modelled as 1/PIECES of the unpipelined add time; see cost_model).
 PIECES = 8
 
 # Batch norm: float32 elements per block (1 MiB), so a pass's double-buffered inputs,

@@ -26,7 +26,13 @@ fallback execute, so the model cannot drift from the algorithm:
   (``reduce_pieces=1``), a step costs transfer + add. The kernels split each slab into
   ``k`` pieces with their own DMAs and semaphores and add piece ``i`` while piece ``i+1``
   is still arriving, so a step costs ``max(transfer, add) + min(transfer, add) / k``
-  (the pipeline's fill or drain). The next step's sends start when the step is done.
+  (the pipeline's fill or drain). Within a ring phase the slab sent at step ``t + 1`` is
+  the one summed at step ``t``, and the kernels send each of its pieces as soon as its
+  sum is stored: the next step's transfer follows the adds piece by piece, so each
+  further step of the phase costs ``max(transfer, add, (transfer + add) / k)`` (the link,
+  the adds, or one piece's transfer-then-add chain, whichever is slowest), and the fill
+  or drain is paid once per phase. A step that starts a phase in any stream waits for
+  the step before it to finish.
 
 Not modelled: DMA issue overhead beyond ``alpha``, overlap of a step's latency with the
 previous step's transfer, the HBM traffic of the DMAs themselves, and contention with other
@@ -261,24 +267,28 @@ def _embedding(
 
 
 def _step_loads(sched: schedule_lib.Schedule, nbytes: float, loads: dict):
-  """(bytes on every physical link, max hops, bytes each device adds, how many steps) for
-  each distinct step.
+  """(bytes on every physical link, max hops, bytes each device adds, whether every stream
+  continues the ring phase of the step before, how many steps) for each distinct step.
 
   Steps that move the same slabs along the same logical hops load the links alike, so
   each kind of step is priced once.
   """
   chunk = nbytes / sched.num_devices / sched.num_streams
   counts = collections.Counter(
-    tuple(
-      (t.phase.axis, t.phase.direction, t.slab_elements(sched.torus, 1), t.phase.kind) for t in step
+    (
+      tuple(
+        (t.phase.axis, t.phase.direction, t.slab_elements(sched.torus, 1), t.phase.kind)
+        for t in step
+      ),
+      all(t.step > 0 for t in step),
     )
     for step in sched.steps()
   )
-  for signature, count in counts.items():
+  for (signature, continues), count in counts.items():
     link = sum(loads[axis, direction][0] * slab * chunk for axis, direction, slab, _ in signature)
     hops = max(loads[axis, direction][1] for axis, direction, _, _ in signature)
     added = sum(slab * chunk for *_, slab, kind in signature if kind == "reduce_scatter")
-    yield link, hops, added, count
+    yield link, hops, added, continues, count
 
 
 def link_bytes(
@@ -290,7 +300,7 @@ def link_bytes(
   """Total bytes each directed physical link carries (index: ``link_key``)."""
   physical, loads = _embedding(sched, physical, order)
   total = np.zeros(_num_links(physical))
-  for link, _, _, count in _step_loads(sched, nbytes, loads):
+  for link, _, _, _, count in _step_loads(sched, nbytes, loads):
     total += count * link
   return total
 
@@ -345,13 +355,16 @@ def predict(
   sched = schedule_lib.build(collective, tuple(logical), variant)
   _, loads = _embedding(sched, physical, order)
   bandwidth = latency = exposed_adds = 0.0
-  for link, hops, added, count in _step_loads(sched, nbytes, loads):
+  for link, hops, added, continues, count in _step_loads(sched, nbytes, loads):
     transfer = link.max() / generation.link_bandwidth
     bandwidth += count * transfer
     latency += count * hops * generation.hop_latency
     if reduce_pieces is not None and added:
       add = 3 * added / generation.hbm_bandwidth
-      step = max(transfer, add) + min(transfer, add) / reduce_pieces
+      if continues:  # its pieces were sent as the step before summed them
+        step = max(transfer, add, (transfer + add) / reduce_pieces)
+      else:
+        step = max(transfer, add) + min(transfer, add) / reduce_pieces
       exposed_adds += count * (step - transfer)
   return Prediction(
     collective,
