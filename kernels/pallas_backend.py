@@ -12,7 +12,7 @@ streams). The all-reduce is that reduce-scatter followed by that all-gather, whi
 exactly the all-reduce schedule (its streams are the reduce-scatter phases followed by the
 all-gather phases, in lockstep).
 
-Layout (``torus_kernels.Layout``): the kernels take and return the 1-D buffers as they
+Layout (``buffer_layout.Layout``): the kernels take and return the 1-D buffers as they
 are, viewing chunk ``c`` as ``S`` stream slices of ``R`` rows of 128 lanes, ``R`` a whole
 number of native tiles (8 rows for 32-bit types, 16 for 16-bit ones); chunks too small to
 give every stream a tile travel in one stream. What follows the buffer's end is never
@@ -63,7 +63,7 @@ from torus_collectives import platform
 from torus_collectives import schedule as schedule_lib
 from torus_collectives._vma import ensure_varying
 from torus_collectives.configs import LANES, KernelConfig
-from torus_collectives.kernels import torus_kernels
+from torus_collectives.kernels import buffer_layout, torus_kernels
 from torus_collectives.layout import accumulation_dtype, ceil_div, pad_chunks, pad_to
 
 
@@ -124,9 +124,9 @@ class _Plan:
     self.slice_elements = ceil_div(rows, tile) * tile * LANES
     self.chunk_elements = self.streams * self.slice_elements
 
-  def layout(self, n: int, stride: int, dtype) -> torus_kernels.Layout:
+  def layout(self, n: int, stride: int, dtype) -> buffer_layout.Layout:
     """The kernels' view of a buffer of ``n`` elements whose chunks are ``stride`` apart."""
-    return torus_kernels.Layout(
+    return buffer_layout.Layout(
       n=n,
       stride=stride,
       slice_elements=self.slice_elements,
@@ -156,7 +156,7 @@ class _Plan:
 
 def _word_multiple(m: int, dtype) -> int:
   """``m`` rounded up to whole DMA words of ``dtype``."""
-  align = torus_kernels.dma_alignment(jnp.dtype(dtype).itemsize)
+  align = buffer_layout.dma_alignment(jnp.dtype(dtype).itemsize)
   return ceil_div(m, align) * align
 
 

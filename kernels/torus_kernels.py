@@ -91,7 +91,6 @@ for v4, v5e, v5p and v6e.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import zlib
@@ -99,12 +98,19 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from torus_collectives import schedule as schedule_lib
+from torus_collectives.kernels.buffer_layout import (
+  Layout,
+  Slab,
+  at,
+  each_length,
+  for_each,
+  pieces,
+)
 
 _RECV_SLOTS = 2
 # Semaphores live in a small scoped memory (2 KiB, 512 of them, on v5e, where 840 did not
@@ -193,9 +199,9 @@ class _Topology:
     slab = phase.send_slab if sending else phase.recv_slab
     return slab(self.coords[phase.axis], step, self.torus[phase.axis])
 
-  def slab_chunks(self, transfer: schedule_lib.Transfer, slab) -> _Slab:
-    """The chunks of ``transfer``'s slab ``slab`` on this device (see ``_Slab``)."""
-    return _Slab(transfer, self.torus, self.coords, slab)
+  def slab_chunks(self, transfer: schedule_lib.Transfer, slab) -> Slab:
+    """The chunks of ``transfer``'s slab ``slab`` on this device (see ``Slab``)."""
+    return Slab(transfer, self.torus, self.coords, slab)
 
   def barrier(self, schedule: schedule_lib.Schedule) -> None:
     """Tells every upstream neighbour we are here; waits until every downstream one is."""
@@ -221,166 +227,6 @@ def _add(a: jax.Array, b: jax.Array) -> jax.Array:
   return a + b
 
 
-# The DMA engine moves 1-D HBM slices that start on a 512-byte boundary and are a whole
-# number of 512-byte words long; the only shorter slice it moves is one that ends where
-# its array ends, and into VMEM only when it fills a VMEM array of exactly its length.
-DMA_WORD_BYTES = 512
-
-
-def dma_alignment(itemsize: int) -> int:
-  """Elements of ``itemsize`` bytes in one DMA word (128 for 32-bit types, 256 for 16-bit)."""
-  return DMA_WORD_BYTES // itemsize
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-  """Where a schedule's grid of chunks lies in a kernel's 1-D buffer of ``n`` elements.
-
-  Chunk ``c`` (row-major over the torus coordinates) starts at ``c * stride``, its stream
-  slice ``s`` at ``+ s * slice_elements``, piece ``k`` of that slice at
-  ``+ k * piece_elements``. The grid is virtual: positions at or beyond ``n`` (and beyond
-  ``stride`` within a chunk) do not exist, are never sent, waited for or added. So chunks
-  before ``last_chunk`` are whole, chunk ``last_chunk`` holds ``last_extent`` elements,
-  and later chunks are empty. ``stride`` and both slice lengths are whole DMA words; only
-  the buffer's final ``tail`` elements (``n`` modulo a DMA word) are not, and travel by
-  DMAs of their own (see ``_reduce_scatter_kernel``).
-  """
-
-  n: int
-  stride: int
-  slice_elements: int
-  piece_elements: int
-  itemsize: int
-
-  def __post_init__(self):
-    words = (self.stride, self.slice_elements, self.piece_elements)
-    if self.n < 1 or any(size < 1 or size % self.align for size in words):
-      raise ValueError(f"chunk stride and slice lengths must be whole DMA words: {self}")
-
-  @property
-  def align(self) -> int:
-    return dma_alignment(self.itemsize)
-
-  @property
-  def last_chunk(self) -> int:
-    return (self.n - 1) // self.stride
-
-  @property
-  def last_extent(self) -> int:
-    return self.n - self.last_chunk * self.stride
-
-  @property
-  def tail(self) -> int:
-    return self.n % self.align
-
-  def lengths(self, offset: int, size: int) -> tuple[int, int]:
-    """Elements of the segment ``[offset, offset + size)`` of a chunk that exist in a whole
-    chunk and in the last chunk."""
-    clip = lambda extent: min(max(extent - offset, 0), size)  # noqa: E731
-    return clip(self.stride), clip(self.last_extent)
-
-  def valid_elements(self, offset: int, size: int, chunks: int) -> int:
-    """Elements of the segment that exist, summed over ``chunks`` chunks of the grid."""
-    whole, last = self.lengths(offset, size)
-    return self.last_chunk * whole + last if chunks > self.last_chunk else chunks * whole
-
-
-class _Slab:
-  """The chunks of one transfer's slab: ``size`` of them, row-major over the slab's grid
-  axes other than the phase's (``carried``), the ``j``-th at chunk ``chunk(j)``. A receive
-  slot holds the ``j``-th chunk's stream slice at ``j * slice_elements``, so sender and
-  receiver, who enumerate the same slab, agree on where everything goes."""
-
-  def __init__(self, transfer: schedule_lib.Transfer, torus, coords, slab):
-    self.phase_axis = transfer.phase.axis
-    self.carried = [a for a in transfer.live_axes if a != self.phase_axis]
-    self.torus, self.coords, self.slab = tuple(torus), tuple(coords), slab
-    self.size = math.prod(self.torus[a] for a in self.carried)
-    self.row_stride = [math.prod(self.torus[a + 1 :]) for a in range(len(self.torus))]
-    fixed = [self.slab if a == self.phase_axis else self.coords[a] for a in range(len(torus))]
-    self.base = sum(
-      fixed[a] * self.row_stride[a] for a in range(len(torus)) if a not in self.carried
-    )
-
-  def chunk(self, j):
-    c, rest = self.base, j
-    for a in reversed(self.carried):
-      c = c + (rest % self.torus[a]) * self.row_stride[a]
-      rest = rest // self.torus[a]
-    return c
-
-  def position(self, chunk: int) -> int:
-    """Index in the slab of grid chunk ``chunk``, if the slab holds it (``holds``)."""
-    index = np.unravel_index(chunk, self.torus)
-    j = 0
-    for a in self.carried:
-      j = j * self.torus[a] + int(index[a])
-    return j
-
-  def holds(self, chunk: int):
-    """Whether this slab holds grid chunk ``chunk`` (a traced bool)."""
-    index = np.unravel_index(chunk, self.torus)
-    held = self.slab == int(index[self.phase_axis])
-    for a, own in enumerate(self.coords):
-      if a != self.phase_axis and a not in self.carried:
-        held = jnp.logical_and(held, own == int(index[a]))
-    return held
-
-
-def _each_length(layout: Layout, slab: _Slab, j, offset: int, size: int, fn, *, words: bool):
-  """Calls ``fn(length, chunk, j)`` for the ``j``-th chunk of ``slab`` if the segment
-  ``[offset, offset + size)`` of that chunk has elements, inside a ``pl.when`` on the
-  (traced) chunk index, with the static length it has there. With ``words``, a length is
-  cut to whole DMA words (the buffer's tail is then left to the caller). In the last chunk
-  the chunk and ``j`` are passed as Python ints, so every offset there is static."""
-  whole, last = layout.lengths(offset, size)
-  if words:
-    last -= last % layout.align
-  chunk = slab.chunk(j)
-
-  def call(length, chunk, j):
-    def body():
-      fn(length, chunk, j)
-
-    return body
-
-  if whole == last:
-    if whole and layout.last_chunk == math.prod(slab.torus) - 1:
-      fn(whole, chunk, j)
-    elif whole:
-      pl.when(chunk <= layout.last_chunk)(call(whole, chunk, j))
-    return
-  if whole and layout.last_chunk > 0:
-    pl.when(chunk < layout.last_chunk)(call(whole, chunk, j))
-  if last:
-    last_chunk = layout.last_chunk
-    pl.when(chunk == last_chunk)(call(last, last_chunk, slab.position(last_chunk)))
-
-
-def _at(ref, start, size: int, align: int):
-  """``ref[start : start + size]`` for a 1-D ref; ``start`` a multiple of ``align``."""
-  if not isinstance(start, int):
-    start = pl.multiple_of(start, align)
-  return ref.at[pl.ds(start, size)]
-
-
-def _for_each(size: int, body) -> None:
-  """``body(j)`` for ``j`` in ``range(size)``: traced once, as a loop if ``size > 1``."""
-  if size == 1:
-    body(0)
-  elif size > 1:
-    lax.fori_loop(0, size, lambda j, carry: (body(j), carry)[1], 0)
-
-
-def pieces(slice_elements: int, piece_elements: int) -> list[tuple[int, int]]:
-  """``(offset, elements)`` of the pieces a stream slice is cut into: whole pieces, then
-  the remainder."""
-  return [
-    (start, min(piece_elements, slice_elements - start))
-    for start in range(0, slice_elements, piece_elements)
-  ]
-
-
 # Bytes per vector add: one native tile (8 x 128 32-bit, 16 x 128 16-bit elements). A loop
 # over such blocks keeps the kernel's code one add long per piece and step, where adding a
 # whole piece at once unrolls into code the size of the piece.
@@ -396,7 +242,7 @@ def _add_in_vmem(own, received, length: int) -> None:
     at = pl.ds(start, size)
     own[at] = _add(own[at], received[at])
 
-  _for_each(
+  for_each(
     whole,
     lambda i: add(i * block if isinstance(i, int) else pl.multiple_of(i * block, block), block),
   )
@@ -404,18 +250,18 @@ def _add_in_vmem(own, received, length: int) -> None:
     add(whole * block, rest)
 
 
-def _accumulate(slab: _Slab, each, own_at, src_at, dst_at, own_bufs, in_bufs, sems, block: int):
+def _accumulate(slab: Slab, each, own_at, src_at, dst_at, own_bufs, in_bufs, sems, block: int):
   """``dst = own + src`` over the chunks of ``slab``, each chunk's segment through VMEM.
 
   ``each(j, fn)`` calls ``fn(length, chunk, j)`` for the ``j``-th chunk when its segment
-  has elements (``_each_length``); ``own_at``, ``src_at`` and ``dst_at`` map
+  has elements (``each_length``); ``own_at``, ``src_at`` and ``dst_at`` map
   ``(length, chunk, j)`` to HBM views. Double-buffered: chunk ``j + 1`` loads while chunk
   ``j`` is added and stored. ``sems[0|1|2, slot]`` track the own load, the received load
   and the store of a slot; ``own_bufs`` and ``in_bufs`` hold two blocks of ``block``.
   """
 
   def vmem(bufs, slot, length):
-    return _at(bufs, slot * block, length, block)
+    return at(bufs, slot * block, length, block)
 
   def loads(slot, length, chunk, j):
     return (
@@ -458,7 +304,7 @@ def _accumulate(slab: _Slab, each, own_at, src_at, dst_at, own_bufs, in_bufs, se
 
     each(j, add_and_store(slot))
 
-  _for_each(slab.size, body)
+  for_each(slab.size, body)
   total = slab.size
   if total >= 2:
     each(total - 2, lambda *seg: store(total % 2, *seg).wait())
@@ -507,11 +353,11 @@ def _reduce_scatter_kernel(
 
   def in_grid(ref, tr, piece_offset):  # (length, chunk, j) -> a segment of a chunk
     offset = tr.stream * L + piece_offset
-    return lambda length, chunk, j: _at(ref, chunk * layout.stride + offset, length, align)
+    return lambda length, chunk, j: at(ref, chunk * layout.stride + offset, length, align)
 
   def in_slot(tr, slot, piece_offset):  # (length, chunk, j) -> the segment in a slot
     base = slot * slot_sizes[tr.stream] + piece_offset
-    return lambda length, chunk, j: _at(recv_refs[tr.stream], base + j * L, length, align)
+    return lambda length, chunk, j: at(recv_refs[tr.stream], base + j * L, length, align)
 
   def piece_copy(tr, slot, k, src, dst, length, chunk, j):
     return pltpu.make_async_remote_copy(
@@ -539,7 +385,7 @@ def _reduce_scatter_kernel(
     src, dst = in_grid(src_ref, tr, piece_offset), in_slot(tr, slot, piece_offset)
 
     def each_chunk(j):
-      _each_length(
+      each_length(
         layout,
         slab,
         j,
@@ -549,7 +395,7 @@ def _reduce_scatter_kernel(
         words=True,
       )
 
-    _for_each(slab.size, each_chunk)
+    for_each(slab.size, each_chunk)
     if tail_at == (tr.stream, k):
 
       @pl.when(slab.holds(layout.last_chunk))
@@ -598,12 +444,12 @@ def _reduce_scatter_kernel(
           own = own_terms(tr, t)
           if final_store(tr, t):  # the own chunk, into the output of its own
             offset = tr.stream * L + piece_offset
-            dst = lambda length, chunk, j, o=offset: _at(out_ref, o, length, align)  # noqa: E731
+            dst = lambda length, chunk, j, o=offset: at(out_ref, o, length, align)  # noqa: E731
           else:
             dst = in_grid(acc_ref, tr, piece_offset)
           _accumulate(
             slab,
-            lambda j, fn, tr=tr, slab=slab, o=piece_offset, size=size: _each_length(
+            lambda j, fn, tr=tr, slab=slab, o=piece_offset, size=size: each_length(
               layout, slab, j, tr.stream * L + o, size, fn, words=True
             ),
             in_grid(own, tr, piece_offset),
@@ -668,7 +514,7 @@ def _all_gather_kernel(
   if x_ref.shape != out_ref.shape:  # the own chunk alone: place it first
     own = sum(c * math.prod(grid[a + 1 :]) for a, c in enumerate(topo.coords))
     copy = pltpu.make_async_copy(
-      x_ref, _at(out_ref, own * layout.stride, layout.stride, align), local_sem
+      x_ref, at(out_ref, own * layout.stride, layout.stride, align), local_sem
     )
     copy.start()
     copy.wait()
@@ -681,7 +527,7 @@ def _all_gather_kernel(
     # word where its arrays end).
     def each_chunk(j):
       def run(length, chunk, j):
-        view = _at(out_ref, chunk * layout.stride + tr.stream * L, length, align)
+        view = at(out_ref, chunk * layout.stride + tr.stream * L, length, align)
         action(
           pltpu.make_async_remote_copy(
             view,
@@ -692,9 +538,9 @@ def _all_gather_kernel(
           )
         )
 
-      _each_length(layout, slab, j, tr.stream * L, L, run, words=False)
+      each_length(layout, slab, j, tr.stream * L, L, run, words=False)
 
-    _for_each(slab.size, each_chunk)
+    for_each(slab.size, each_chunk)
 
   with jax.named_scope("barrier"):
     topo.barrier(schedule)
