@@ -227,15 +227,15 @@ def _add(a: jax.Array, b: jax.Array) -> jax.Array:
   return a + b
 
 
-# Bytes per vector add: one native tile (8 x 128 32-bit, 16 x 128 16-bit elements). A loop
-# over such blocks keeps the kernel's code one add long per piece and step, where adding a
-# whole piece at once unrolls into code the size of the piece.
-_ADD_BYTES = 4096
+# Bytes per vector add: 8 native tiles (8 x 128 32-bit or 16 x 128 16-bit elements each).
+# A loop over such blocks keeps the kernel's code one block's add long per piece and step,
+# where adding a whole piece at once unrolls into code the size of the piece.
+ADD_BYTES = 32 * 1024
 
 
-def _add_in_vmem(own, received, length: int) -> None:
-  """``own[:length] += received[:length]`` for 1-D VMEM refs, a native tile at a time."""
-  block = _ADD_BYTES // own.dtype.itemsize
+def add_in_vmem(own, received, length: int) -> None:
+  """``own[:length] += received[:length]`` for 1-D VMEM refs, ``ADD_BYTES`` at a time."""
+  block = ADD_BYTES // own.dtype.itemsize
   whole, rest = divmod(length, block)
 
   def add(start, size):
@@ -283,7 +283,7 @@ def _accumulate(slab: Slab, each, own_at, src_at, dst_at, own_bufs, in_bufs, sem
 
   def add_and_store(slot):
     def run(length, chunk, j):
-      _add_in_vmem(vmem(own_bufs, slot, length), vmem(in_bufs, slot, length), length)
+      add_in_vmem(vmem(own_bufs, slot, length), vmem(in_bufs, slot, length), length)
       store(slot, length, chunk, j).start()
 
     return run

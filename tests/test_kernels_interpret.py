@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -24,6 +25,7 @@ import torus_collectives as tc
 from torus_collectives import configs as config_lib
 from torus_collectives import registry
 from torus_collectives.kernels import pallas_backend as kernels
+from torus_collectives.kernels import torus_kernels
 
 pytestmark = pytest.mark.interpret
 
@@ -351,3 +353,23 @@ def test_too_many_pieces_for_the_semaphores_raises():
   with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
     with pytest.raises(ValueError, match="semaphores.*larger KernelConfig"):
       jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((8, n), jnp.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_vmem_add_loops_over_blocks(dtype):
+  """The reduce-scatter's add in VMEM, over two whole blocks of ``ADD_BYTES`` and a shorter
+  rest, against jnp (16-bit floats added in float32 and rounded once)."""
+  block = torus_kernels.ADD_BYTES // jnp.dtype(dtype).itemsize
+  n = 2 * block + 384
+  x, y = (_inputs(dtype, (n,), integers=False) for _ in range(2))
+  y = y * 3
+
+  def kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = x_ref[...]
+    torus_kernels.add_in_vmem(o_ref, y_ref, n)
+
+  add = pl.pallas_call(
+    kernel, out_shape=jax.ShapeDtypeStruct((n,), dtype), interpret=pltpu.InterpretParams()
+  )
+  want = (x.astype(jnp.float32) + y.astype(jnp.float32)).astype(dtype)
+  np.testing.assert_array_equal(np.asarray(add(x, y), np.float32), np.asarray(want, np.float32))
