@@ -5,11 +5,15 @@ A v3 topology is only lowered (with the fallback), never compiled with Pallas: l
 the whole process when compiling a Pallas remote DMA for v2/v3.
 """
 
+import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 pytest.importorskip("libtpu")
 
+import torus_collectives as tc  # noqa: E402
 from bench import aot_report  # noqa: E402
 from torus_collectives import tuning  # noqa: E402
 
@@ -73,6 +77,29 @@ def test_ragged_all_reduce_is_the_kernels_alone_at_the_traffic_floor(topology, d
   mesh = aot_report.topology_mesh(topology)
   compiled = aot_report.lower_all_reduce(mesh, RAGGED, dtype, "pallas").compile()
   assert_kernels_alone_at_the_traffic_floor(compiled, mesh.size, RAGGED * jnp.dtype(dtype).itemsize)
+
+
+def test_a_consumed_result_is_read_in_place_without_an_output_copy():
+  """The output copy the floor tests leave out exists only because the result is the
+  program's own output: when the program consumes the result (here a scale, as an
+  optimizer update would), XLA reads it straight from the kernels' buffer."""
+  mesh = aot_report.topology_mesh("v5e:4x4")
+  spec = P(mesh.axis_names)
+
+  def per_device(v):
+    return 2 * tc.all_reduce(v, aot_report.AXES, implementation="pallas")
+
+  fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=spec))
+  arg = jax.ShapeDtypeStruct((mesh.size * RAGGED,), jnp.float32, sharding=NamedSharding(mesh, spec))
+  compiled = fn.lower(arg).compile()
+  glue = aot_report.glue(compiled)
+  # The scale alone: one elementwise op (XLA may wrap it in a fusion), and no copy.
+  assert [g["op"] for g in glue] in (["multiply"], ["fusion"]), aot_report.describe(glue)
+  nbytes = RAGGED * 4
+  scale = 2 * nbytes  # the consumer reads the sum and writes its result
+  collective = aot_report.summary(compiled)["bytes accessed"] - scale
+  ideal = aot_report.ideal_bytes(mesh.size, nbytes)
+  assert ideal <= collective <= 1.05 * ideal
 
 
 def test_ring_on_one_axis_compiles():
