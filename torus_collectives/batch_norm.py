@@ -62,7 +62,7 @@ def _group_sum(x, cfg: _Config):
 
 
 def _forward(x, scale, bias, cfg: _Config):
-  rows = x.shape[0]
+  rows = x.size // x.shape[-1]
   group = math.prod(cfg.tile)
   local = _pass(cfg, "stats", x)
   local_mean, local_m2 = local[0], local[1]
@@ -95,7 +95,7 @@ def _to_primal_type(ct, primal):
 def _backward(cfg: _Config, residuals, cotangents):
   x, coef, rstd, scale, bias = residuals
   dy = cotangents[0]  # mean and var leave under stop_gradient: no cotangent to carry.
-  count = x.shape[0] * math.prod(cfg.tile)
+  count = x.size // x.shape[-1] * math.prod(cfg.tile)
   local = _pass(cfg, "backward_sums", x, dy, coef, relu=cfg.relu)
   total = _group_sum(local, cfg)
   mul = coef[1]
@@ -186,7 +186,9 @@ def batch_norm(
     axis_names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     tile = groups.resolve_tile(group_size, _axis_sizes(axis_names))
   nbytes = x.size * x.dtype.itemsize
-  impl = registry.resolve("batch_norm", implementation, x.dtype, nbytes=nbytes, torus=tile)
+  impl = registry.resolve(
+    "batch_norm", implementation, x.dtype, nbytes=nbytes, torus=tile, shape=x.shape
+  )
   cfg = _Config(axis_names, tile, float(epsilon), bool(relu), impl, block_sizes)
-  y, mean, var = _batch_norm(x.reshape(-1, channels), scale, bias, cfg)
-  return y.reshape(x.shape), lax.stop_gradient(mean), lax.stop_gradient(var)
+  y, mean, var = _batch_norm(x, scale, bias, cfg)
+  return y, lax.stop_gradient(mean), lax.stop_gradient(var)
