@@ -158,6 +158,12 @@ def _specs(view_shape, bs: BlockSizes, n_coef: int, reduce: bool):
   return grid, x_spec, coef_spec, params
 
 
+def _in_hbm(*arrays):
+  """The kernel operands, constrained to stay in HBM: the kernels pipeline their own
+  reads, so XLA should not also prefetch the activation into VMEM around them."""
+  return [pltpu.with_memory_space_constraint(a, pltpu.HBM) for a in arrays]
+
+
 def _tiled_bytes(a) -> int:
   """Bytes of ``a`` in HBM: its last two dimensions padded to whole (8, 128) tiles, which
   is what a DMA of it moves (twice the elements when C = 64)."""
@@ -195,7 +201,7 @@ def stats(x, *, block_sizes: BlockSizes | None = None):
       cost_estimate=_traffic_cost(v, outputs=[out_shape], flops_per_element=5),
       compiler_params=params,
       name="bn_stats",
-    )(v)
+    )(*_in_hbm(v))
 
 
 def normalize(x, coef, *, relu: bool, block_sizes: BlockSizes | None = None):
@@ -214,7 +220,7 @@ def normalize(x, coef, *, relu: bool, block_sizes: BlockSizes | None = None):
       cost_estimate=_traffic_cost(v, coef, outputs=[out_shape], flops_per_element=4),
       compiler_params=params,
       name="bn_normalize",
-    )(v, coef)
+    )(*_in_hbm(v, coef))
     return from_bn_view(y, x.shape)
 
 
@@ -237,7 +243,7 @@ def backward_sums(x, dy, coef, *, relu: bool, block_sizes: BlockSizes | None = N
       cost_estimate=_traffic_cost(v, dv, coef, outputs=[out_shape], flops_per_element=7),
       compiler_params=params,
       name="bn_backward_sums",
-    )(v, dv, coef)
+    )(*_in_hbm(v, dv, coef))
 
 
 def backward_dx(x, dy, coef, *, relu: bool, block_sizes: BlockSizes | None = None):
@@ -256,7 +262,7 @@ def backward_dx(x, dy, coef, *, relu: bool, block_sizes: BlockSizes | None = Non
       cost_estimate=_traffic_cost(v, dv, coef, outputs=[out_shape], flops_per_element=9),
       compiler_params=params,
       name="bn_backward_dx",
-    )(v, dv, coef)
+    )(*_in_hbm(v, dv, coef))
     return from_bn_view(dx, x.shape)
 
 
