@@ -38,17 +38,17 @@ from jax.experimental.pallas import tpu as pltpu
 from torus_collectives import platform
 from torus_collectives._vma import varying_like
 from torus_collectives.batch_norm_passes import Passes
-from torus_collectives.configs import BlockSizes
+from torus_collectives.configs import BlockSizes, scoped_vmem_bytes, vmem_bytes
 from torus_collectives.layout import LANES, SUBLANES, ceil_div, from_bn_view, to_bn_view
 
 # ----------------------------------------------------------------------------- kernels
 
 
-def _row_mask(block_rows: int, rows: int):
-  """Valid-row mask of the current row block (grid axis 1), or None if all are valid."""
+def _row_mask(block_rows: int, rows: int, axis: int = 1):
+  """Valid-row mask of the current row block (grid ``axis``), or None if all are valid."""
   if rows % block_rows == 0:
     return None
-  start = pl.program_id(1) * block_rows
+  start = pl.program_id(axis) * block_rows
   return start + jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1, 1), 0) < rows
 
 
@@ -76,11 +76,16 @@ def _relu_masked_cotangent(x, dy, coef_ref, relu: bool):
 
 
 def _stats_kernel(x_ref, out_ref, *, rows: int, block_rows: int):
-  i = pl.program_id(1)
-  sublanes = x_ref.shape[1]
-  mask = _row_mask(block_rows, rows)
+  _accumulate_moments(x_ref[...], out_ref, 1, rows=rows, block_rows=block_rows)
+
+
+def _accumulate_moments(x, out_ref, axis: int, *, rows: int, block_rows: int):
+  """Merges the (mean, M2) of row block ``program_id(axis)`` of x into out_ref[0:2]."""
+  i = pl.program_id(axis)
+  sublanes = x.shape[1]
+  mask = _row_mask(block_rows, rows, axis)
   count = (jnp.minimum(block_rows, rows - i * block_rows) * sublanes).astype(jnp.float32)
-  x = x_ref[...].astype(jnp.float32)
+  x = x.astype(jnp.float32)
   block_mean = _sum_rows(_masked(x, mask)) / count
   block_m2 = _sum_rows(_masked((x - block_mean[None]) ** 2, mask))
 
@@ -110,12 +115,17 @@ def _normalize_kernel(x_ref, coef_ref, y_ref, *, relu: bool):
 def _backward_sums_kernel(
   x_ref, dy_ref, coef_ref, out_ref, *, rows: int, block_rows: int, relu: bool
 ):
-  mask = _row_mask(block_rows, rows)
-  xc, g = _relu_masked_cotangent(x_ref[...], dy_ref[...], coef_ref, relu)
+  _accumulate_sums(x_ref[...], dy_ref[...], coef_ref, out_ref, 1, rows, block_rows, relu)
+
+
+def _accumulate_sums(x, dy, coef_ref, out_ref, axis: int, rows: int, block_rows: int, relu):
+  """Adds (sum g, sum g * (x - mean)) of row block ``program_id(axis)`` to out_ref."""
+  mask = _row_mask(block_rows, rows, axis)
+  xc, g = _relu_masked_cotangent(x, dy, coef_ref, relu)
   sum_g = _sum_rows(_masked(g, mask))
   sum_gxc = _sum_rows(_masked(g * xc, mask))
 
-  @pl.when(pl.program_id(1) == 0)
+  @pl.when(pl.program_id(axis) == 0)
   def _():
     out_ref[...] = jnp.zeros_like(out_ref)
 
@@ -127,6 +137,62 @@ def _backward_dx_kernel(x_ref, dy_ref, coef_ref, dx_ref, *, relu: bool):
   xc, g = _relu_masked_cotangent(x_ref[...], dy_ref[...], coef_ref, relu)
   dx = g * _coef(coef_ref, 1) + xc * _coef(coef_ref, 3) + _coef(coef_ref, 4)
   dx_ref[...] = dx.astype(dx_ref.dtype)
+
+
+# Local batch norm (a group of one replica): no group sum between the passes, so one
+# kernel runs both, phase 0 over every row block, then phase 1, with the activation (and
+# dy) kept in VMEM from the first phase to the second: 2X forward, 3X backward.
+
+
+def _resident_block(ref, block_rows: int):
+  """The rows of the VMEM-resident copy that hold the current row block (grid axis 2)."""
+  return ref.at[pl.ds(pl.multiple_of(pl.program_id(2) * block_rows, block_rows), block_rows)]
+
+
+def _local_forward_kernel(
+  x_ref, affine_ref, y_ref, stats_ref, x_vmem, *, rows, block_rows, epsilon, relu
+):
+  phase = pl.program_id(1)
+  x_block = _resident_block(x_vmem, block_rows)
+
+  @pl.when(phase == 0)
+  def _():
+    x_block[...] = x_ref[...]
+    _accumulate_moments(x_ref[...], stats_ref, 2, rows=rows, block_rows=block_rows)
+
+  @pl.when((phase == 1) & (pl.program_id(2) == 0))
+  def _():  # M2 -> biased variance, once
+    stats_ref[1:2, :] = stats_ref[1:2, :] / float(rows * x_ref.shape[1])
+
+  @pl.when(phase == 1)
+  def _():
+    mean, var = stats_ref[0:1, :], stats_ref[1:2, :]
+    mul = affine_ref[0:1, :] * jax.lax.rsqrt(var + epsilon)
+    y = (x_block[...].astype(jnp.float32) - mean[None]) * mul[None] + affine_ref[1:2, :][None]
+    if relu:
+      y = jnp.maximum(y, 0.0)
+    y_ref[...] = y.astype(y_ref.dtype)
+
+
+def _local_backward_kernel(
+  x_ref, dy_ref, coef_ref, dx_ref, sums_ref, x_vmem, dy_vmem, *, rows, block_rows, relu
+):
+  phase = pl.program_id(1)
+  x_block, dy_block = _resident_block(x_vmem, block_rows), _resident_block(dy_vmem, block_rows)
+
+  @pl.when(phase == 0)
+  def _():
+    x_block[...] = x_ref[...]
+    dy_block[...] = dy_ref[...]
+    _accumulate_sums(x_ref[...], dy_ref[...], coef_ref, sums_ref, 2, rows, block_rows, relu)
+
+  @pl.when(phase == 1)
+  def _():
+    xc, g = _relu_masked_cotangent(x_block[...], dy_block[...], coef_ref, relu)
+    k_xc = (coef_ref[3:4, :] * sums_ref[1:2, :])[None]
+    k_0 = (coef_ref[4:5, :] * sums_ref[0:1, :])[None]
+    dx = g * _coef(coef_ref, 1) + xc * k_xc + k_0
+    dx_ref[...] = dx.astype(dx_ref.dtype)
 
 
 # ----------------------------------------------------------------------------- pallas_calls
@@ -266,4 +332,93 @@ def backward_dx(x, dy, coef, *, relu: bool, block_sizes: BlockSizes | None = Non
     return from_bn_view(dx, x.shape)
 
 
-PALLAS = Passes(stats, normalize, backward_sums, backward_dx)
+def _local_specs(view_shape, bs: BlockSizes):
+  """Grid (channel blocks, phase, row blocks): x is fetched block by block in phase 0
+  and held at the last block in phase 1; outputs are written (and flushed) in phase 1."""
+  rows, sublanes, channels = view_shape
+  bm, bc = bs.block_rows, bs.block_channels
+  last = pl.cdiv(rows, bm) - 1
+  grid = (channels // bc, 2, last + 1)
+  x_spec = pl.BlockSpec((bm, sublanes, bc), lambda j, p, i: (i + (last - i) * p, 0, j))
+  out_spec = pl.BlockSpec((bm, sublanes, bc), lambda j, p, i: (i * p, 0, j))
+  coef_spec = lambda k: pl.BlockSpec((k, bc), lambda j, p, i: (0, j))
+  return grid, x_spec, out_spec, coef_spec, ((last + 1) * bm, sublanes, bc)
+
+
+def _local_params(view_shape, dtype, arrays: int, bs: BlockSizes):
+  """Compiler params that make room for ``arrays`` resident copies of a channel block of
+  the activation, or None if they do not fit half of the generation's VMEM."""
+  resident_shape = _local_specs(view_shape, bs)[-1]
+  resident = arrays * _tiled_bytes(jax.ShapeDtypeStruct(resident_shape, dtype))
+  device_kind = platform.target_device().device_kind
+  vmem = vmem_bytes(device_kind)
+  if resident > vmem // 2:
+    return None
+  return pltpu.CompilerParams(
+    dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+    vmem_limit_bytes=min(vmem * 3 // 4, resident + scoped_vmem_bytes(device_kind)),
+  )
+
+
+def local_forward(
+  x, scale, bias, *, epsilon: float, relu: bool, block_sizes: BlockSizes | None = None
+):
+  """Batch norm of the channels-last x over its own rows in one kernel, x read once:
+  ``(y, float32 [2, C] (mean, var))``, or None where x's channel block does not fit the
+  VMEM budget (then run ``stats`` and ``normalize``)."""
+  with jax.named_scope("bn_local_forward"):
+    v = to_bn_view(x)
+    bs = _block_sizes(v.shape, block_sizes)
+    params = _local_params(v.shape, v.dtype, 1, bs)
+    if params is None:
+      return None
+    grid, x_spec, out_spec, coef_spec, resident = _local_specs(v.shape, bs)
+    affine = jnp.stack([scale, bias]).astype(jnp.float32)
+    kernel = functools.partial(
+      _local_forward_kernel, rows=v.shape[0], block_rows=bs.block_rows, epsilon=epsilon, relu=relu
+    )
+    out_shapes = [varying_like(v, v.shape), varying_like(v, (2, v.shape[2]), jnp.float32)]
+    y, stats = pl.pallas_call(
+      kernel,
+      grid=grid,
+      in_specs=[x_spec, coef_spec(2)],
+      out_specs=[out_spec, coef_spec(2)],
+      out_shape=out_shapes,
+      scratch_shapes=[pltpu.VMEM(resident, v.dtype)],
+      cost_estimate=_traffic_cost(v, affine, outputs=out_shapes, flops_per_element=9),
+      compiler_params=params,
+      name="bn_local_forward",
+    )(*_in_hbm(v, affine))
+    return from_bn_view(y, x.shape), stats
+
+
+def local_backward(x, dy, coef, *, relu: bool, block_sizes: BlockSizes | None = None):
+  """Both backward passes in one kernel, x and dy read once: ``(dx, float32 [2, C]
+  (sum g, sum g * (x - mean)))`` with coef rows (mean, mul, bias, a, b), k_xc = a *
+  sum(g * (x - mean)) and k_0 = b * sum(g); None where x and dy do not fit VMEM."""
+  with jax.named_scope("bn_local_backward"):
+    v, dv = to_bn_view(x), to_bn_view(dy)
+    bs = _block_sizes(v.shape, block_sizes)
+    params = _local_params(v.shape, v.dtype, 2, bs)
+    if params is None:
+      return None
+    grid, x_spec, out_spec, coef_spec, resident = _local_specs(v.shape, bs)
+    kernel = functools.partial(
+      _local_backward_kernel, rows=v.shape[0], block_rows=bs.block_rows, relu=relu
+    )
+    out_shapes = [varying_like(v, v.shape), varying_like(v, (2, v.shape[2]), jnp.float32)]
+    dx, sums = pl.pallas_call(
+      kernel,
+      grid=grid,
+      in_specs=[x_spec, x_spec, coef_spec(5)],
+      out_specs=[out_spec, coef_spec(2)],
+      out_shape=out_shapes,
+      scratch_shapes=[pltpu.VMEM(resident, v.dtype), pltpu.VMEM(resident, dv.dtype)],
+      cost_estimate=_traffic_cost(v, dv, coef, outputs=out_shapes, flops_per_element=16),
+      compiler_params=params,
+      name="bn_local_backward",
+    )(*_in_hbm(v, dv, coef))
+    return from_bn_view(dx, x.shape), sums
+
+
+PALLAS = Passes(stats, normalize, backward_sums, backward_dx, local_forward, local_backward)

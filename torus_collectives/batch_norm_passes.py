@@ -32,12 +32,17 @@ import jax.numpy as jnp
 
 
 class Passes(NamedTuple):
-  """The four per-replica passes of one implementation."""
+  """The four per-replica passes of one implementation, and optionally fused versions
+  for a group of one replica (nothing to sum between the passes): ``local_forward``
+  returns (y, [mean, var]) and ``local_backward`` (dx, pass 3's sums), or None where
+  they cannot run (e.g. the activation does not fit on chip)."""
 
   stats: Callable
   normalize: Callable
   backward_sums: Callable
   backward_dx: Callable
+  local_forward: Callable | None = None
+  local_backward: Callable | None = None
 
 
 def _shift_block_rows(rows: int, target: int = 4096) -> int:

@@ -98,6 +98,22 @@ class KernelConfig:
     return dataclasses.replace(self, block_rows=block_rows)
 
 
+# Physical VMEM per TensorCore (jax's TPU info); 16 MiB where unknown. The local batch
+# norm keeps activations resident in up to half of it.
+_VMEM_BYTES = {
+  "TPU v4": 16 << 20,
+  "TPU v5 lite": 128 << 20,
+  "TPU v5": 64 << 20,
+  "TPU v5p": 64 << 20,
+  "TPU v6 lite": 128 << 20,
+}
+
+
+def vmem_bytes(device_kind: str) -> int:
+  """Physical VMEM of a TPU generation's TensorCore (16 MiB where unknown)."""
+  return _VMEM_BYTES.get(device_kind, 16 << 20)
+
+
 def scoped_vmem_bytes(device_kind: str) -> int:
   """XLA's default scoped-VMEM limit for a TPU generation (16 MiB where unknown)."""
   return _SCOPED_VMEM_BYTES.get(device_kind, _FALLBACK_SCOPED_VMEM_BYTES)
