@@ -385,3 +385,13 @@ def test_v5e_kernels_skip_relayouts_and_auto_never_moves_more_than_xla(monkeypat
     assert relayouts
   assert auto_bytes == (pallas_bytes if layout.bn_view_is_native(shape) else xla_bytes)
   assert auto_bytes <= xla_bytes
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("topology_name", TOPOLOGIES)
+def test_local_kernels_compile_for_tpu(topology_name):
+  """A group of one replica runs the fused kernels, x and dy resident in VMEM."""
+  pytest.importorskip("libtpu")
+  compiled = tpu_train_step(topology_name, 8, (14, 14, 256), group_size=1)
+  text = compiled.as_text()
+  assert "bn_local_forward" in text and "bn_local_backward" in text and "bn_stats" not in text
