@@ -122,7 +122,7 @@ def scoped_vmem_bytes(device_kind: str) -> int:
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Block shape of every batch-norm pass over the kernels' ``[R, S, C]`` view of the
-  activation (``layout.bn_view``: ``[N*H, W, C]`` or ``[H*W, N, C]`` for NHWC).
+  activation (``layout.bn_view``: ``[H*W, N, C]`` for NHWC in XLA's convolution layout).
 
   Attributes:
     block_rows: leading rows of the view per block (each holds S x C elements).
