@@ -23,9 +23,9 @@ X, backward_sums reads 2X, backward_dx reads 2X and writes X: 3X forward, 8X for
 plus backward. For a group of one replica, ``local_forward`` and ``local_backward`` run
 both passes of each direction in one kernel with the channel block of x (and dy) held in
 VMEM between them, where that fits half the generation's VMEM: 2X forward, 5X in all.
-The operands are pinned to HBM (XLA would otherwise also prefetch them into VMEM). Each ``pallas_call`` declares exactly that (operands plus results, in
-whole (8, 128) tiles as they lie in HBM) in a ``pl.CostEstimate``, since XLA cannot see
-inside a Mosaic kernel.
+The operands are pinned to HBM (XLA would otherwise also prefetch them into VMEM). Each
+``pallas_call`` declares exactly that (operands plus results, in whole (8, 128) tiles as
+they lie in HBM) in a ``pl.CostEstimate``, since XLA cannot see inside a Mosaic kernel.
 """
 
 from __future__ import annotations
