@@ -1,23 +1,32 @@
 """Compiled bytes accessed of batch norm on TPU v5e: fused Pallas passes vs XLA's fusions.
 
 Compiles, ahead of time on a CPU host with libtpu, the per-replica batch norm of every
-ResNet-50 layer shape (bfloat16 NHWC, ReLU fused) for one v5e chip, forward alone and
-forward plus backward, once with ``implementation="pallas"`` and once with "xla" (the
-jnp path as fused by XLA), and prints ``compiled.cost_analysis()["bytes accessed"]``.
-These are static figures, not measurements. XLA cannot see inside a Mosaic kernel, so
-each kernel declares its traffic (operands plus results) in a ``pl.CostEstimate``; the
-rest, e.g. relayout copies around the kernels, is XLA's own count.
+ResNet-50 layer shape (bfloat16 NHWC, ReLU fused, statistics local to the replica) for
+one v5e chip, forward alone and forward plus backward, once with
+``implementation="pallas"`` and once with "xla" (the jnp passes as fused by XLA), and
+prints ``compiled.cost_analysis()["bytes accessed"]``. These are compiler estimates, not
+measurements. XLA cannot see inside a Mosaic kernel, so each kernel declares its traffic
+(operands plus results) in a ``pl.CostEstimate``; the rest, e.g. any relayout copy around
+the kernels, is XLA's own count. X, one activation's bytes, is printed for scale: the
+Pallas passes move 3X forward and 8X forward plus backward when nothing surrounds them.
 
-  JAX_PLATFORMS=cpu python -m bench.batch_norm_report [--batch 32]
+Activations (x, dy, y, dx) enter and leave in the layout XLA's TPU convolutions give them
+inside a ResNet-50 step ({3,0,2,1}: H, W, N, C major to minor), since that is where batch
+norm runs; ``--layout default`` leaves the choice to XLA as for any entry parameter (row
+major for some of these shapes).
+
+  JAX_PLATFORMS=cpu python -m bench.batch_norm_report [--batch 32] [--layout conv]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
+from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -34,9 +43,13 @@ RESNET50_BN_SHAPES = [
   (7, 7, 512),
   (7, 7, 2048),
 ]
+# XLA's TPU convolution layout of an NHWC activation, major to minor.
+CONV_LAYOUT = Layout(major_to_minor=(1, 2, 0, 3))
 
 
-def bytes_accessed(implementation: str, shape, backward: bool, device) -> float:
+def compile_batch_norm(implementation: str, shape, backward: bool, device, layout: str = "conv"):
+  """Forward (y, mean, var), or forward plus backward (y, (dx, dscale, dbias)), of the
+  local batch norm of a bfloat16 ``shape``, compiled for ``device``."""
   channels = shape[-1]
 
   def forward(x, scale, bias):
@@ -48,33 +61,47 @@ def bytes_accessed(implementation: str, shape, backward: bool, device) -> float:
 
   mesh = jax.sharding.Mesh([device], ("d",))
   sharding = NamedSharding(mesh, P())
-  x = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding)
+  act = Format(CONV_LAYOUT, sharding) if layout == "conv" else sharding
+  x = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=act)
   p = jax.ShapeDtypeStruct((channels,), jnp.float32, sharding=sharding)
-  args = (x, p, p, x) if backward else (x, p, p)
-  compiled = jax.jit(train if backward else forward).lower(*args).compile()
+  # The mesh names the target device for "auto" and the kernels' defaults.
+  with jax.set_mesh(mesh):
+    if backward:
+      fn = jax.jit(train, out_shardings=(act, (act, sharding, sharding)))
+      return fn.lower(x, p, p, x).compile()
+    return jax.jit(forward, out_shardings=(act, sharding, sharding)).lower(x, p, p).compile()
+
+
+def bytes_accessed(implementation: str, shape, backward: bool, device, layout: str = "conv"):
+  compiled = compile_batch_norm(implementation, shape, backward, device, layout)
   return compiled.cost_analysis()["bytes accessed"]
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batch", type=int, default=32, help="per-replica batch")
+  parser.add_argument("--layout", choices=("conv", "default"), default="conv")
   args = parser.parse_args()
   device = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
   mib = 1 << 20
-  print(f"v5e, per-replica batch {args.batch}, bfloat16, MiB accessed (compiled cost analysis)")
   print(
-    f"{'N,H,W,C':>18} {'fwd pallas':>11} {'fwd xla':>9} {'ratio':>6} "
+    f"v5e, per-replica batch {args.batch}, bfloat16, {args.layout} layout, MiB accessed "
+    "(compiler estimates: compiled cost analysis)"
+  )
+  print(
+    f"{'N,H,W,C':>18} {'X':>6} {'fwd pallas':>11} {'fwd xla':>9} {'ratio':>6} "
     f"{'fwd+bwd pallas':>15} {'fwd+bwd xla':>12} {'ratio':>6}"
   )
   for hwc in RESNET50_BN_SHAPES:
     shape = (args.batch, *hwc)
     row = []
     for backward in (False, True):
-      pallas = bytes_accessed("pallas", shape, backward, device) / mib
-      xla = bytes_accessed("xla", shape, backward, device) / mib
+      pallas = bytes_accessed("pallas", shape, backward, device, args.layout) / mib
+      xla = bytes_accessed("xla", shape, backward, device, args.layout) / mib
       row += [pallas, xla, pallas / xla]
+    x_mib = math.prod(shape) * 2 / mib
     print(
-      f"{str(shape):>18} {row[0]:11.1f} {row[1]:9.1f} {row[2]:6.2f} "
+      f"{str(shape):>18} {x_mib:6.1f} {row[0]:11.1f} {row[1]:9.1f} {row[2]:6.2f} "
       f"{row[3]:15.1f} {row[4]:12.1f} {row[5]:6.2f}"
     )
 

@@ -2,15 +2,20 @@
 
 Compiles, ahead of time on a CPU host with libtpu, one data-parallel ResNet-50 step
 (forward, backward, gradient mean over the mesh) for a TPU topology, once per batch-norm
-implementation ("xla", "pallas" and "auto"), and prints ``cost_analysis()["bytes
-accessed"]`` of each. Everything but the batch norm is the same program: bfloat16 compute,
-batch-norm statistics over groups of ``--bn-group`` replicas, gradients averaged with
-``lax.pmean`` (so the gradient collective does not differ between the rows). These are
-compiler estimates, not measurements. "auto" must never move more than "xla".
+implementation, and prints ``cost_analysis()["bytes accessed"]`` of each. Everything but
+the batch norm is the same program: bfloat16 compute, batch-norm statistics over groups of
+``--bn-group`` replicas, gradients averaged with ``lax.pmean`` (so the gradient collective
+does not differ between the rows). These are compiler estimates, not measurements.
+
+Rows: "xla", "pallas" (every batch norm), "auto" (nothing measured: XLA), and
+"auto-measured": "auto" under a tuning table in which Pallas was measured faster at every
+batch-norm size, so that only the registry's layout rule (``layout.bn_view_is_native``)
+keeps XLA. "auto" must never move more than "xla", measured or not.
 
   JAX_PLATFORMS=cpu python -m bench.step_report [--topology v5e:4x4] [--batch 32]
+  JAX_PLATFORMS=cpu python -m bench.step_report --model resnet_tiny  # a quick look
 
-ResNet-50 takes minutes to compile per row on a small host.
+ResNet-50 takes a minute or two to compile per row on a small host.
 """
 
 from __future__ import annotations
@@ -27,9 +32,18 @@ from jax.sharding import PartitionSpec as P
 
 from bench.aot_report import topology_mesh
 from resnet import models
+from torus_collectives import groups, tuning
 from torus_collectives import nn as tc_nn
 
-IMPLEMENTATIONS = ("xla", "pallas", "auto")
+IMPLEMENTATIONS = ("xla", "pallas", "auto", "auto-measured")
+
+
+def pallas_measured_faster(device_kind: str, bn_tile: tuple[int, ...]) -> tuning.Table:
+  """A hypothetical tuning table: Pallas batch norm measured faster at every size."""
+  entry = tuning.Entry(
+    tuning.topology(bn_tile), "batch_norm", "bfloat16", 0, "pallas", {"pallas": 0.5}, 1
+  )
+  return tuning.Table(device_kind, "hypothetical: Pallas faster", tuning.now(), [entry])
 
 
 def lower_step(mesh, implementation: str, *, model: str, batch: int, image: int, bn_group: int):
@@ -94,10 +108,14 @@ def main(argv=None) -> None:
     "device (XLA compiler estimates, not measurements)"
   )
   figures = {}
+  device_kind = mesh.devices.flat[0].device_kind
+  bn_tile = groups.resolve_tile(args.bn_group, tuple(mesh.shape.values()))
   for implementation in args.implementations.split(","):
+    measured = implementation == "auto-measured"
+    tuning.use_table(pallas_measured_faster(device_kind, bn_tile) if measured else None)
     compiled = lower_step(
       mesh,
-      implementation,
+      "auto" if measured else implementation,
       model=args.model,
       batch=args.batch,
       image=args.image,
@@ -107,7 +125,7 @@ def main(argv=None) -> None:
     figures[implementation] = (cost[0] if isinstance(cost, list) else cost)["bytes accessed"]
     ratio = figures[implementation] / figures.get("xla", figures[implementation])
     print(
-      f"  BN implementation={implementation!r:9s} {figures[implementation] / 2**30:8.2f} GiB"
+      f"  BN implementation={implementation!r:15s} {figures[implementation] / 2**30:8.2f} GiB"
       f"   x XLA BN: {ratio:.3f}",
       flush=True,
     )

@@ -51,10 +51,14 @@ class _Config:
 
 
 def _pass(cfg: _Config, name: str, *args, **kwargs):
-  """Runs one per-replica pass of the configured implementation."""
+  """Runs one per-replica pass of the configured implementation; a ``local_*`` pass
+  only for a group of one, and None where the implementation does not run it."""
+  fn = getattr(registry.batch_norm_passes(cfg.implementation), name)
+  if name.startswith("local_") and (fn is None or math.prod(cfg.tile) > 1):
+    return None
   if cfg.implementation == "pallas":
     kwargs["block_sizes"] = cfg.block_sizes
-  return getattr(registry.batch_norm_passes(cfg.implementation), name)(*args, **kwargs)
+  return fn(*args, **kwargs)
 
 
 def _group_sum(x, cfg: _Config):
@@ -62,16 +66,21 @@ def _group_sum(x, cfg: _Config):
 
 
 def _forward(x, scale, bias, cfg: _Config):
-  rows = x.shape[0]
-  group = math.prod(cfg.tile)
-  local = _pass(cfg, "stats", x)
-  local_mean, local_m2 = local[0], local[1]
-  mean = _group_sum(local_mean, cfg) / group
-  m2 = _group_sum(local_m2 + rows * (local_mean - mean) ** 2, cfg)
-  var = m2 / (rows * group)
+  fused = _pass(cfg, "local_forward", x, scale, bias, epsilon=cfg.epsilon, relu=cfg.relu)
+  if fused is not None:
+    y, (mean, var) = fused[0], fused[1]
+  else:
+    rows = x.size // x.shape[-1]
+    group = math.prod(cfg.tile)
+    local = _pass(cfg, "stats", x)
+    local_mean, local_m2 = local[0], local[1]
+    mean = _group_sum(local_mean, cfg) / group
+    m2 = _group_sum(local_m2 + rows * (local_mean - mean) ** 2, cfg)
+    var = m2 / (rows * group)
   rstd = lax.rsqrt(var + cfg.epsilon)
   coef = jnp.stack([mean, scale.astype(jnp.float32) * rstd, bias.astype(jnp.float32)])
-  y = _pass(cfg, "normalize", x, coef, relu=cfg.relu)
+  if fused is None:
+    y = _pass(cfg, "normalize", x, coef, relu=cfg.relu)
   return (y, mean, var), (x, coef, rstd, scale, bias)
 
 
@@ -95,15 +104,21 @@ def _to_primal_type(ct, primal):
 def _backward(cfg: _Config, residuals, cotangents):
   x, coef, rstd, scale, bias = residuals
   dy = cotangents[0]  # mean and var leave under stop_gradient: no cotangent to carry.
-  count = x.shape[0] * math.prod(cfg.tile)
-  local = _pass(cfg, "backward_sums", x, dy, coef, relu=cfg.relu)
-  total = _group_sum(local, cfg)
+  count = x.size // x.shape[-1] * math.prod(cfg.tile)
   mul = coef[1]
-  k_xc = -mul * rstd * rstd * total[1] / count
-  k_0 = -mul * total[0] / count
-  dx = _pass(
-    cfg, "backward_dx", x, dy, jnp.concatenate([coef, jnp.stack([k_xc, k_0])]), relu=cfg.relu
+  # dx = mul * g + k_xc * (x - mean) + k_0, with k_xc = a * sum(g * (x - mean)) and
+  # k_0 = b * sum(g) over the group.
+  a, b = -mul * rstd * rstd / count, -mul / count
+  fused = _pass(
+    cfg, "local_backward", x, dy, jnp.concatenate([coef, jnp.stack([a, b])]), relu=cfg.relu
   )
+  if fused is not None:
+    dx, local = fused
+  else:
+    local = _pass(cfg, "backward_sums", x, dy, coef, relu=cfg.relu)
+    total = _group_sum(local, cfg)
+    k = jnp.stack([a * total[1], b * total[0]])
+    dx = _pass(cfg, "backward_dx", x, dy, jnp.concatenate([coef, k]), relu=cfg.relu)
   dscale = local[1] * rstd
   dbias = local[0]
   return (_to_primal_type(dx, x), _to_primal_type(dscale, scale), _to_primal_type(dbias, bias))
@@ -186,7 +201,9 @@ def batch_norm(
     axis_names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     tile = groups.resolve_tile(group_size, _axis_sizes(axis_names))
   nbytes = x.size * x.dtype.itemsize
-  impl = registry.resolve("batch_norm", implementation, x.dtype, nbytes=nbytes, torus=tile)
+  impl = registry.resolve(
+    "batch_norm", implementation, x.dtype, nbytes=nbytes, torus=tile, shape=x.shape
+  )
   cfg = _Config(axis_names, tile, float(epsilon), bool(relu), impl, block_sizes)
-  y, mean, var = _batch_norm(x.reshape(-1, channels), scale, bias, cfg)
-  return y.reshape(x.shape), lax.stop_gradient(mean), lax.stop_gradient(var)
+  y, mean, var = _batch_norm(x, scale, bias, cfg)
+  return y, lax.stop_gradient(mean), lax.stop_gradient(var)

@@ -2,8 +2,8 @@
 implementation, and the reference the Pallas kernels (``torus_collectives.kernels``) are
 tested against.
 
-Batch norm over an activation viewed as ``x[M, C]`` (all axes but the channel axis
-flattened into rows) takes two passes over HBM forward and two backward; the group
+Batch norm over a channels-last activation ``x`` (its M rows: all positions of all
+axes but the last) takes two passes over HBM forward and two backward; the group
 reduction of the per-channel results happens between them, outside these passes:
 
 1. ``stats``: per-channel mean and M2 = sum((x - mean)**2) of the local rows, float32.
@@ -32,12 +32,17 @@ import jax.numpy as jnp
 
 
 class Passes(NamedTuple):
-  """The four per-replica passes of one implementation."""
+  """The four per-replica passes of one implementation, and optionally fused versions
+  for a group of one replica (nothing to sum between the passes): ``local_forward``
+  returns (y, [mean, var]) and ``local_backward`` (dx, pass 3's sums), or None where
+  they cannot run (e.g. the activation does not fit on chip)."""
 
   stats: Callable
   normalize: Callable
   backward_sums: Callable
   backward_dx: Callable
+  local_forward: Callable | None = None
+  local_backward: Callable | None = None
 
 
 def _shift_block_rows(rows: int, target: int = 4096) -> int:
@@ -46,8 +51,14 @@ def _shift_block_rows(rows: int, target: int = 4096) -> int:
   return max(c for c in divisors if c <= target)
 
 
+def _rows(x):
+  """The channels-last ``x`` as ``x[M, C]``."""
+  return x.reshape(-1, x.shape[-1])
+
+
 def stats_reference(x):
   """``stats`` in one XLA pass: per-block sums shifted by each block's first row."""
+  x = _rows(x)
   rows, channels = x.shape
   block = _shift_block_rows(rows)
   xb = x.reshape(rows // block, block, channels).astype(jnp.float32)
@@ -74,7 +85,7 @@ def normalize_reference(x, coef, *, relu: bool):
 
 
 def backward_sums_reference(x, dy, coef, *, relu: bool):
-  xc, g = _centred_cotangent_reference(x, dy, coef, relu)
+  xc, g = _centred_cotangent_reference(_rows(x), _rows(dy), coef, relu)
   return jnp.stack([jnp.sum(g, axis=0), jnp.sum(g * xc, axis=0)])
 
 

@@ -9,8 +9,8 @@ The torus kernels move data HBM to HBM with remote DMAs and stream the reduction
 VMEM in blocks of ``block_rows`` x 128 lanes. A block is the unit of VMEM traffic: four
 blocks (the own partial sum and the received one, each double-buffered) are resident at a
 time, plus their float32 sum when the buffer holds a 16-bit type. The batch-norm passes
-tile the activation, viewed as ``x[rows, channels]``, into
-``block_rows`` x ``block_channels`` blocks.
+tile the activation, viewed in XLA's TPU layout as ``[rows, sublanes, channels]``
+(``layout.bn_view``), into ``block_rows`` x sublanes x ``block_channels`` blocks.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from torus_collectives.layout import ceil_div
+from torus_collectives.layout import LANES, SUBLANES, ceil_div
 
-LANES = 128
 # Sublane tiling of a (rows, 128) VMEM block: 8 rows for 32-bit types, 16 for bfloat16.
 # Every block is a multiple of 16 rows so one config serves all supported dtypes.
 ROW_MULTIPLE = 16
@@ -40,10 +39,7 @@ _FALLBACK_SCOPED_VMEM_BYTES = 16 << 20
 # per ring phase (modelled as 1/PIECES of the unpipelined add time; see cost_model).
 PIECES = 8
 
-# Batch norm: float32 elements per block (1 MiB), so a pass's double-buffered inputs,
-# outputs and float32 temporaries stay well inside the 16 MiB of scoped VMEM of
-# v4/v5e/v5p; and the widest channel block.
-BN_BLOCK_ELEMENTS = 1 << 18
+# Batch norm: the widest channel block.
 BN_MAX_BLOCK_CHANNELS = 512
 
 
@@ -102,10 +98,36 @@ class KernelConfig:
     return dataclasses.replace(self, block_rows=block_rows)
 
 
+# Physical VMEM per TensorCore (jax's TPU info); 16 MiB where unknown. The local batch
+# norm keeps activations resident in up to half of it.
+_VMEM_BYTES = {
+  "TPU v4": 16 << 20,
+  "TPU v5 lite": 128 << 20,
+  "TPU v5": 64 << 20,
+  "TPU v5p": 64 << 20,
+  "TPU v6 lite": 128 << 20,
+}
+
+
+def vmem_bytes(device_kind: str) -> int:
+  """Physical VMEM of a TPU generation's TensorCore (16 MiB where unknown)."""
+  return _VMEM_BYTES.get(device_kind, 16 << 20)
+
+
+def scoped_vmem_bytes(device_kind: str) -> int:
+  """XLA's default scoped-VMEM limit for a TPU generation (16 MiB where unknown)."""
+  return _SCOPED_VMEM_BYTES.get(device_kind, _FALLBACK_SCOPED_VMEM_BYTES)
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Block shape of every batch-norm pass: ``block_rows`` x ``block_channels`` of the
-  (lane-folded) ``x[rows, channels]``."""
+  """Block shape of every batch-norm pass over the kernels' ``[R, S, C]`` view of the
+  activation (``layout.bn_view``: ``[H*W, N, C]`` for NHWC in XLA's convolution layout).
+
+  Attributes:
+    block_rows: leading rows of the view per block (each holds S x C elements).
+    block_channels: channels per block: all of them, or a multiple of 128 dividing them.
+  """
 
   block_rows: int
   block_channels: int
@@ -115,18 +137,22 @@ class BlockSizes:
       raise ValueError(f"block sizes must be positive, got {self}")
 
   @classmethod
-  def default(cls, rows: int, channels: int) -> BlockSizes:
-    """About ``BN_BLOCK_ELEMENTS`` per block, at most ``BN_MAX_BLOCK_CHANNELS`` lanes."""
+  def default(cls, view_shape: tuple[int, int, int], device_kind: str) -> BlockSizes:
+    """At most ``BN_MAX_BLOCK_CHANNELS`` lanes, and rows for (scoped VMEM) / 64 elements,
+    2**18 on the 16 MiB of v4/v5e/v5p: a pass holds up to three double-buffered
+    activation blocks and a few float32 temporaries of one, about 40 bytes an element."""
+    rows, sublanes, channels = view_shape
     block_channels = channels
     if channels > BN_MAX_BLOCK_CHANNELS and channels % LANES == 0:
       block_channels = math.gcd(channels, BN_MAX_BLOCK_CHANNELS)
-    block_rows = max(
-      ROW_MULTIPLE, BN_BLOCK_ELEMENTS // block_channels // ROW_MULTIPLE * ROW_MULTIPLE
-    )
+    # A block's VMEM footprint: sublanes and lanes padded to whole (8, 128) tiles.
+    tile = ceil_div(sublanes, SUBLANES) * SUBLANES * ceil_div(block_channels, LANES) * LANES
+    block_rows = max(1, scoped_vmem_bytes(device_kind) // 64 // tile)
     return cls(block_rows=min(block_rows, rows), block_channels=block_channels)
 
-  def check(self, rows: int, channels: int) -> None:
-    """Raises ValueError unless these blocks tile an ``x[rows, channels]`` legally."""
+  def check(self, view_shape: tuple[int, int, int]) -> None:
+    """Raises ValueError unless these blocks tile a ``[rows, sublanes, channels]`` view."""
+    rows, _, channels = view_shape
     if channels % self.block_channels or (
       self.block_channels != channels and self.block_channels % LANES
     ):
@@ -134,8 +160,5 @@ class BlockSizes:
         f"block_channels={self.block_channels} must divide {channels=} and be a "
         f"multiple of {LANES} or all of them"
       )
-    if self.block_rows != rows and (self.block_rows % ROW_MULTIPLE or self.block_rows > rows):
-      raise ValueError(
-        f"block_rows={self.block_rows} must be a multiple of {ROW_MULTIPLE} no larger "
-        f"than {rows=}, or all of them"
-      )
+    if self.block_rows > rows:
+      raise ValueError(f"block_rows={self.block_rows} must be at most the view's {rows=}")

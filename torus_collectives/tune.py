@@ -62,6 +62,7 @@ class Case:
   torus: tuple[int, ...]
   label: str
   build: Callable[[str], Callable[[], Any]]
+  shape: tuple[int, ...] | None = None  # batch norm: the per-replica activation's
 
 
 def _global(mesh: Mesh, shape: tuple[int, ...], dtype, spec: P) -> jax.Array:
@@ -152,7 +153,7 @@ def batch_norm_case(
 
   nbytes = math.prod(shape) * dtype.itemsize
   label = f"batch_norm {dtype.name} {'x'.join(map(str, shape))}"
-  return Case("batch_norm", dtype.name, nbytes, tile, label, build)
+  return Case("batch_norm", dtype.name, nbytes, tile, label, build, shape)
 
 
 def synthetic_gradients(nbytes: int, dtype="float32", leaves: int = 161) -> list:
@@ -336,7 +337,9 @@ def tune_for(
 def auto_choice(case: Case, mesh: Mesh) -> str:
   """The implementation "auto" runs for ``case`` on ``mesh``, by the registry's rule."""
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-    return registry.auto_implementation(case.op, case.dtype, nbytes=case.nbytes, torus=case.torus)
+    return registry.auto_implementation(
+      case.op, case.dtype, nbytes=case.nbytes, torus=case.torus, shape=case.shape
+    )
 
 
 # ----------------------------------------------------------------------------------------
