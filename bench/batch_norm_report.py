@@ -3,7 +3,8 @@
 Compiles, ahead of time on a CPU host with libtpu, the per-replica batch norm of every
 ResNet-50 layer shape (bfloat16 NHWC, ReLU fused, statistics local to the replica) for
 one v5e chip, forward alone and forward plus backward, once with
-``implementation="pallas"`` and once with "xla" (the jnp passes as fused by XLA), and
+``implementation="pallas"``, once with "xla" (the jnp passes as fused by XLA) and once
+with ``flax.linen.BatchNorm`` (the usual approach, which a user swaps ours in for), and
 prints ``compiled.cost_analysis()["bytes accessed"]``. These are compiler estimates, not
 measurements. XLA cannot see inside a Mosaic kernel, so each kernel declares its traffic
 (operands plus results) in a ``pl.CostEstimate``; the rest, e.g. any relayout copy around
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 
+import flax.linen
 import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
@@ -47,12 +49,28 @@ RESNET50_BN_SHAPES = [
 CONV_LAYOUT = Layout(major_to_minor=(1, 2, 0, 3))
 
 
+def flax_batch_norm(x, scale, bias):
+  """``flax.linen.BatchNorm`` in training mode, then ReLU: (y, mean, var), the usual
+  approach our batch norm replaces (momentum 0, so its updated statistics are the
+  batch's)."""
+  module = flax.linen.BatchNorm(use_running_average=False, momentum=0.0, dtype=x.dtype)
+  variables = {
+    "params": {"scale": scale, "bias": bias},
+    "batch_stats": {"mean": jnp.zeros_like(scale), "var": jnp.ones_like(scale)},
+  }
+  y, updated = module.apply(variables, x, mutable=["batch_stats"])
+  return jax.nn.relu(y), updated["batch_stats"]["mean"], updated["batch_stats"]["var"]
+
+
 def compile_batch_norm(implementation: str, shape, backward: bool, device, layout: str = "conv"):
   """Forward (y, mean, var), or forward plus backward (y, (dx, dscale, dbias)), of the
-  local batch norm of a bfloat16 ``shape``, compiled for ``device``."""
+  local batch norm of a bfloat16 ``shape``, compiled for ``device``: ours with
+  ``implementation``, or flax's with "flax"."""
   channels = shape[-1]
 
   def forward(x, scale, bias):
+    if implementation == "flax":
+      return flax_batch_norm(x, scale, bias)
     return batch_norm(x, scale, bias, relu=True, implementation=implementation)
 
   def train(x, scale, bias, dy):
@@ -89,21 +107,24 @@ def main() -> None:
     "(compiler estimates: compiled cost analysis)"
   )
   print(
-    f"{'N,H,W,C':>18} {'X':>6} {'fwd pallas':>11} {'fwd xla':>9} {'ratio':>6} "
-    f"{'fwd+bwd pallas':>15} {'fwd+bwd xla':>12} {'ratio':>6}"
+    f"{'N,H,W,C':>18} {'X':>6} |{'fwd pallas':>11} {'xla':>7} {'flax':>7} "
+    f"{'pallas/xla':>10} {'xla/flax':>8} |{'fwd+bwd pallas':>15} {'xla':>7} {'flax':>7} "
+    f"{'pallas/xla':>10} {'xla/flax':>8}"
   )
   for hwc in RESNET50_BN_SHAPES:
     shape = (args.batch, *hwc)
-    row = []
+    cells = []
     for backward in (False, True):
-      pallas = bytes_accessed("pallas", shape, backward, device, args.layout) / mib
-      xla = bytes_accessed("xla", shape, backward, device, args.layout) / mib
-      row += [pallas, xla, pallas / xla]
+      pallas, xla, flax = (
+        bytes_accessed(implementation, shape, backward, device, args.layout) / mib
+        for implementation in ("pallas", "xla", "flax")
+      )
+      cells.append(
+        f"{pallas:{15 if backward else 11}.1f} {xla:7.1f} {flax:7.1f} "
+        f"{pallas / xla:10.2f} {xla / flax:8.2f}"
+      )
     x_mib = math.prod(shape) * 2 / mib
-    print(
-      f"{str(shape):>18} {x_mib:6.1f} {row[0]:11.1f} {row[1]:9.1f} {row[2]:6.2f} "
-      f"{row[3]:15.1f} {row[4]:12.1f} {row[5]:6.2f}"
-    )
+    print(f"{str(shape):>18} {x_mib:6.1f} |{cells[0]} |{cells[1]}")
 
 
 if __name__ == "__main__":
