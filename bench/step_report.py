@@ -9,8 +9,9 @@ does not differ between the rows). These are compiler estimates, not measurement
 
 Rows: "xla", "pallas" (every batch norm), "auto" (nothing measured: XLA), and
 "auto-measured": "auto" under a tuning table in which Pallas was measured faster at every
-batch-norm size, so that only the registry's layout rule (``layout.bn_view_is_native``)
-keeps XLA. "auto" must never move more than "xla", measured or not.
+batch-norm size. "auto" must never move more than "xla", measured or not; for batch norm
+the registry's rule keeps XLA whatever was measured, since this report found the kernels,
+which win alone, losing inside the step.
 
   JAX_PLATFORMS=cpu python -m bench.step_report [--topology v5e:4x4] [--batch 32]
   JAX_PLATFORMS=cpu python -m bench.step_report --model resnet_tiny  # a quick look

@@ -5,7 +5,7 @@ Same contracts and ``coef`` layout as the jnp passes. A Pallas TPU operand is ro
 while XLA's TPU convolutions lay an NHWC activation out as H, W, N, C (major to minor).
 Each pass therefore runs on ``layout.bn_view``, the 3-D ``[R, S, C]`` view whose
 row-major order is that physical order (``[H*W, N, C]``): the transpose into it and back
-compiles to bitcasts, not copies, wherever ``layout.bn_view_is_native`` holds. Channels
+compiles to bitcasts, not copies, for NHWC with a batch in whole tiles of 8. Channels
 are on lanes and S on sublanes; blocks ``(block_rows, S, block_channels)`` run over R.
 Lanes beyond C < 128 are XLA's own tile padding, which the kernels never read into sums.
 

@@ -201,9 +201,7 @@ def batch_norm(
     axis_names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     tile = groups.resolve_tile(group_size, _axis_sizes(axis_names))
   nbytes = x.size * x.dtype.itemsize
-  impl = registry.resolve(
-    "batch_norm", implementation, x.dtype, nbytes=nbytes, torus=tile, shape=x.shape
-  )
+  impl = registry.resolve("batch_norm", implementation, x.dtype, nbytes=nbytes, torus=tile)
   cfg = _Config(axis_names, tile, float(epsilon), bool(relu), impl, block_sizes)
   y, mean, var = _batch_norm(x, scale, bias, cfg)
   return y, lax.stop_gradient(mean), lax.stop_gradient(var)

@@ -82,16 +82,6 @@ def bn_view(shape: tuple[int, ...]) -> BatchNormView:
   return BatchNormView(tuple(range(len(shape))), (rows // sublanes, sublanes, channels))
 
 
-def bn_view_is_native(shape: tuple[int, ...]) -> bool:
-  """Whether the batch-norm kernels read ``shape`` at their traffic floor: ``bn_view`` is
-  the layout XLA's TPU convolutions give it (NHWC, the batch in whole tiles of 8
-  sublanes), so no relayout surrounds the kernels, and the channels fill whole 128-lane
-  rows. With C = 64 every tile is half padding, which the kernels' DMAs move too; in a
-  compiled ResNet-50 step (v5e, batch 32) Pallas at the two C = 64 stages moved more
-  bytes than XLA's fusions, at C >= 128 fewer."""
-  return len(shape) == 4 and shape[0] % SUBLANES == 0 and shape[-1] % LANES == 0
-
-
 def to_bn_view(x: jax.Array) -> jax.Array:
   """``x`` transposed and reshaped into ``bn_view(x.shape)``."""
   view = bn_view(x.shape)

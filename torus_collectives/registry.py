@@ -14,11 +14,9 @@ Four ops have implementations: the three collectives (``all_reduce``, ``reduce_s
 * ``"auto"``: one rule for every op, ``auto_implementation``: what the tuner measured
   (``tuning``), XLA where nothing was measured, and XLA without measuring below the size at
   which the cost model's latency term dominates. An op or dtype the measured choice does not
-  support falls back to XLA. Batch norm adds one static fact: its Pallas kernels run only
-  on activations that lie in XLA's convolution layout with whole lane rows of channels
-  (``layout.bn_view_is_native``), where they read them without relayout copies and
-  moved fewer compiled bytes than XLA, alone and in a ResNet-50 step (v5e, checked ahead
-  of time); elsewhere "auto" is XLA whatever was measured.
+  support falls back to XLA. Batch norm is XLA whatever was measured: timed alone its
+  Pallas kernels beat XLA's fusions, but inside a network XLA fuses batch norm into the
+  neighbouring convolutions, which an opaque kernel cannot join (see ``auto_implementation``).
 
 Backends are imported lazily, so ``import torus_collectives`` never imports Pallas.
 A collective backend provides three functions on 1-D per-device buffers, called inside the
@@ -45,7 +43,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from torus_collectives import layout, platform, tuning
+from torus_collectives import platform, tuning
 from torus_collectives.batch_norm_passes import REFERENCE, Passes
 from torus_collectives.configs import KernelConfig
 
@@ -107,24 +105,28 @@ def auto_implementation(
   *,
   nbytes: int | None = None,
   torus: tuple[int, ...] = (),
-  shape: tuple[int, ...] | None = None,
 ) -> str:
   """The implementation "auto" picks for ``op`` on ``nbytes`` of ``dtype`` over a torus of
-  axis sizes ``torus`` (batch norm: the group's tile, and ``shape`` the per-replica
-  activation's), on the traced-for device.
+  axis sizes ``torus`` (batch norm: the group's tile), on the traced-for device.
 
   XLA unless the tuner measured something faster for this (device kind, topology, op,
   dtype, size): see ``tuning``. Without ``nbytes`` nothing can be looked up: XLA. Batch
-  norm: also XLA unless the kernels read ``shape`` in XLA's own TPU layout.
+  norm: always XLA.
   """
   if op not in TUNED_OPS:
     raise ValueError(f"unknown {op=}: one of {TUNED_OPS}")
   device_kind = platform.target_device().device_kind
   if nbytes is None or len(torus) > MAX_TORUS_AXES or len(candidates(op, dtype, device_kind)) < 2:
     return "xla"
-  if op == "batch_norm" and (shape is None or not layout.bn_view_is_native(tuple(shape))):
+  if op == "batch_norm":
+    # The tuner times batch norm alone, where the kernels win (0.3x XLA's compiled bytes
+    # at ResNet-50's shapes). In a ResNet-50 step compiled for v5e:4x4 they lose: Pallas at
+    # every batch norm moved 1.26x the bytes of XLA's (``python -m bench.step_report``),
+    # and 1.08x at just those they read at their floor (NHWC, batch a multiple of 8, C a
+    # multiple of 128: no relayout, no lane padding).
+    # So "auto" never picks them; ``implementation="pallas"`` still does.
     return "xla"
-  if op != "batch_norm" and nbytes < tuning.latency_floor_bytes(tuple(torus), device_kind):
+  if nbytes < tuning.latency_floor_bytes(tuple(torus), device_kind):
     return "xla"
   choice = tuning.lookup(device_kind, torus, op, dtype, nbytes)
   if choice is None:
@@ -146,15 +148,14 @@ def resolve(
   *,
   nbytes: int | None = None,
   torus: tuple[int, ...] = (),
-  shape: tuple[int, ...] | None = None,
 ) -> str:
   """The concrete implementation to run; raises ValueError on a name or dtype it lacks.
 
-  ``nbytes``, ``torus`` and ``shape`` are what "auto" looks up (``auto_implementation``).
+  ``nbytes`` and ``torus`` are what "auto" looks up (``auto_implementation``).
   """
   check_name(implementation)
   if implementation == "auto":
-    return auto_implementation(op, dtype, nbytes=nbytes, torus=torus, shape=shape)
+    return auto_implementation(op, dtype, nbytes=nbytes, torus=torus)
   if op not in SUPPORTED_DTYPES[implementation]:
     offered = [i for i in IMPLEMENTATIONS if i == "auto" or op in SUPPORTED_DTYPES[i]]
     raise ValueError(f'{op} has no implementation="{implementation}"; choose one of {offered}')

@@ -7,9 +7,11 @@ For each op (all_reduce, reduce_scatter, all_gather, the gradient summation of a
 batch norm), dtype and size on the current mesh, the concrete implementations that run here
 (``registry.candidates``) are timed against XLA with ``timing.Interleaved``, and
 ``tuning.decide`` turns the median per-round ratios into a choice. Cases where only XLA
-runs, or below the latency floor where "auto" is XLA by rule, are not timed. The result is
-a ``tuning.Table``: written to the user cache (or ``--output``), installed for this process
-(``tuning.use_table``) and printed.
+runs, or below the latency floor where "auto" is XLA by rule, are not timed. Batch norm is
+timed alone and reported, for callers choosing ``implementation="pallas"`` where it stands
+alone; "auto" keeps XLA for it whatever the ratio (``registry.auto_implementation``). The
+result is a ``tuning.Table``: written to the user cache (or ``--output``), installed for
+this process (``tuning.use_table``) and printed.
 
 Several processes: run the same command on every process (as any multi-controller JAX
 program). Each process executes the same programs in the same order; the ratios measured
@@ -62,7 +64,6 @@ class Case:
   torus: tuple[int, ...]
   label: str
   build: Callable[[str], Callable[[], Any]]
-  shape: tuple[int, ...] | None = None  # batch norm: the per-replica activation's
 
 
 def _global(mesh: Mesh, shape: tuple[int, ...], dtype, spec: P) -> jax.Array:
@@ -153,7 +154,7 @@ def batch_norm_case(
 
   nbytes = math.prod(shape) * dtype.itemsize
   label = f"batch_norm {dtype.name} {'x'.join(map(str, shape))}"
-  return Case("batch_norm", dtype.name, nbytes, tile, label, build, shape)
+  return Case("batch_norm", dtype.name, nbytes, tile, label, build)
 
 
 def synthetic_gradients(nbytes: int, dtype="float32", leaves: int = 161) -> list:
@@ -337,9 +338,7 @@ def tune_for(
 def auto_choice(case: Case, mesh: Mesh) -> str:
   """The implementation "auto" runs for ``case`` on ``mesh``, by the registry's rule."""
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-    return registry.auto_implementation(
-      case.op, case.dtype, nbytes=case.nbytes, torus=case.torus, shape=case.shape
-    )
+    return registry.auto_implementation(case.op, case.dtype, nbytes=case.nbytes, torus=case.torus)
 
 
 # ----------------------------------------------------------------------------------------
