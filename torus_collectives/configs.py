@@ -85,7 +85,7 @@ class KernelConfig:
     tile (fewer pieces for small slices). The last piece may be short: a slice is padded
     to whole 16-row tiles only.
     """
-    vmem = _SCOPED_VMEM_BYTES.get(device_kind, _FALLBACK_SCOPED_VMEM_BYTES)
+    vmem = scoped_vmem_bytes(device_kind)
     cap = max(ROW_MULTIPLE, (vmem // 8 // (4 * LANES * itemsize)) // ROW_MULTIPLE * ROW_MULTIPLE)
     rows = max(rows_per_slice, 1)
     return cls(block_rows=min(cap, ceil_div(rows, PIECES * ROW_MULTIPLE) * ROW_MULTIPLE))

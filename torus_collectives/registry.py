@@ -119,12 +119,12 @@ def auto_implementation(
   if nbytes is None or len(torus) > MAX_TORUS_AXES or len(candidates(op, dtype, device_kind)) < 2:
     return "xla"
   if op == "batch_norm":
-    # The tuner times batch norm alone, where the kernels win (0.3x XLA's compiled bytes
-    # at ResNet-50's shapes). In a ResNet-50 step compiled for v5e:4x4 they lose: Pallas at
-    # every batch norm moved 1.26x the bytes of XLA's (``python -m bench.step_report``),
-    # and 1.08x at just those they read at their floor (NHWC, batch a multiple of 8, C a
-    # multiple of 128: no relayout, no lane padding).
-    # So "auto" never picks them; ``implementation="pallas"`` still does.
+    # The tuner times batch norm alone, where the kernels win (0.34-0.73x XLA's
+    # compiled bytes at ResNet-50's shapes). In a ResNet-50 step compiled for v5e:4x4
+    # they lose: Pallas at every batch norm moved 1.26x XLA's bytes (``python -m
+    # bench.step_report``), and 1.08x at just those they read at their floor (NHWC, batch
+    # a multiple of 8, C a multiple of 128), the "auto-measured" row under an earlier rule
+    # that ran them there. So "auto" never picks them; ``implementation="pallas"`` does.
     return "xla"
   if nbytes < tuning.latency_floor_bytes(tuple(torus), device_kind):
     return "xla"
