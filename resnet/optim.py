@@ -7,8 +7,9 @@ plain momentum SGD (You et al. 2017; the MLPerf reference excludes them the same
 since their norms say nothing about a layer's scale).
 
 With ``weight_update_sharding`` the optimizer runs inside ``tc.sharded_update``: gradients
-are reduce-scattered, LARS updates each device's 1/p shard of every layer (its trust ratio
-summing the layer norms over the shards), and the updates are all-gathered.
+are reduce-scattered, LARS updates each device's 1/p shard of every layer (its layer norms
+completed over the shards by ``sharded_update``, one small ``psum`` per step), and the
+updates are all-gathered.
 """
 
 import jax
@@ -55,9 +56,8 @@ def lars(
   momentum: float,
   trust_coefficient: float,
   eps: float,
-  axis_name: tuple[str, ...] | None = None,
 ) -> optax.GradientTransformation:
-  """LARS; ``axis_name`` when it runs on shards inside ``tc.sharded_update`` over it."""
+  """LARS on kernels only, the same transformation sharded or not."""
   return tc.lars(
     learning_rate_fn,
     weight_decay=weight_decay,
@@ -66,7 +66,6 @@ def lars(
     eps=eps,
     trust_ratio_mask=kernel_mask,
     momentum=momentum,
-    axis_name=axis_name,
   )
 
 
@@ -82,7 +81,6 @@ def create_optimizer(
     momentum=config.momentum,
     trust_coefficient=config.lars_trust_coefficient,
     eps=config.lars_eps,
-    axis_name=axes if sharded else None,
   )
   if not sharded:
     return tx, P()

@@ -34,8 +34,8 @@ def kernel_mask(params):
   return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key == "kernel", params)
 
 
-def transform(name: str, axis_name=None) -> optax.GradientTransformation:
-  """The optimizer ``name``; ``axis_name`` makes LARS sum its norms over the shards."""
+def transform(name: str) -> optax.GradientTransformation:
+  """The optimizer ``name``, the same transformation sharded or not."""
   if name == "lars":
     return tc.lars(
       0.5,
@@ -44,7 +44,6 @@ def transform(name: str, axis_name=None) -> optax.GradientTransformation:
       trust_coefficient=0.01,
       trust_ratio_mask=kernel_mask,
       momentum=0.9,
-      axis_name=axis_name,
     )
   if name == "momentum":
     return optax.sgd(0.1, momentum=0.9)
@@ -77,7 +76,7 @@ def step_fn(mesh, name: str, *, sharded: bool, implementation: str = "xla", gath
   sharded, it all-gathers the new parameters (``apply_gradients``) or, with
   ``gather="updates"``, the updates (``update``)."""
   if sharded:
-    tx = tc.sharded_update(transform(name, AXES), AXES, implementation=implementation)
+    tx = tc.sharded_update(transform(name), AXES, implementation=implementation)
     state_spec = P(AXES)
   else:
     tx, state_spec = transform(name), P()

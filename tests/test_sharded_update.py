@@ -81,7 +81,7 @@ def test_pallas_in_interpret_mode_matches_unsharded(mode):
 def test_lars_exclusions_act_on_the_same_leaves():
   """With zero gradients, only weight decay moves the parameters: kernels only."""
   mesh = _mesh()
-  tx = tc.sharded_update(cases.transform("lars", cases.AXES), cases.AXES)
+  tx = tc.sharded_update(cases.transform("lars"), cases.AXES)
 
   def body(params):
     grads = jax.tree.map(jnp.zeros_like, params)
