@@ -4,7 +4,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS := tpu,resnet,test
+EXTRAS := tpu,optax,resnet,test
 
 # The first interpreter >= 3.12 among PATH's and pyenv's.
 PYTHON_CANDIDATES := python3.13 python3.12 python3 $(wildcard $(HOME)/.pyenv/versions/3.1[2-9]*/bin/python3)

@@ -132,3 +132,113 @@ def test_wheel_installs_beside_packages_named_kernels_and_resnet(wheel, tmp_path
   )
   assert result.returncode == 0, result.stderr[-4000:]
   assert result.stdout.strip().endswith("ok")
+
+
+CORE_PROGRAM = textwrap.dedent(
+  """
+  import sys
+  import jax, jax.numpy as jnp, numpy as np
+  from jax.sharding import AxisType, PartitionSpec as P
+  import torus_collectives as tc
+  import torus_collectives.tune
+
+  for missing in ("optax", "flax", "matplotlib"):
+    try:
+      __import__(missing)
+    except ImportError:
+      pass
+    else:
+      raise AssertionError(f"{missing} is installed in the core-only environment")
+  mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+  x = jnp.arange(8 * 256, dtype=jnp.int32).reshape(8, 256) % 7
+  expected = np.tile(np.asarray(x).sum(0), (8, 1))
+  for impl in ("auto", "xla", "shard_map", "lax_torus"):
+    f = jax.shard_map(lambda v: tc.all_reduce(v, ("x", "y"), implementation=impl), mesh=mesh,
+                      in_specs=P(("x", "y")), out_specs=P(("x", "y")), check_vma=False)
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(x)), expected)
+  grads = jax.jit(jax.shard_map(
+    lambda g: tc.all_reduce_gradients({"w": g}, ("x", "y"), mean=False)["w"], mesh=mesh,
+    in_specs=P(("x", "y")), out_specs=P(("x", "y"))))(x.astype(jnp.float32))
+  np.testing.assert_array_equal(np.asarray(grads), expected)  # small integers: exact
+  act = jax.random.normal(jax.random.key(0), (8 * 16, 128))
+  bn = lambda v: tc.batch_norm(v, jnp.ones(128), jnp.zeros(128), axis_name=("x", "y"))[0]
+  y = jax.jit(jax.shard_map(bn, mesh=mesh, in_specs=P(("x", "y")), out_specs=P(("x", "y"))))(act)
+  assert np.all(np.isfinite(np.asarray(y)))
+  loaded = [m for m in sys.modules if "pallas" in m or m.split(".")[0] in ("optax", "flax")]
+  assert not loaded, loaded
+  try:
+    tc.sharded_update
+  except ImportError as e:
+    assert "pip install 'torus-collectives[optax]'" in str(e), e
+  else:
+    raise AssertionError("sharded_update loaded without optax")
+  print("ok")
+  """
+)
+
+
+def _distribution_closure(names: list[str]) -> set[str]:
+  """``names`` and everything they require (no extras), as installed here."""
+  from importlib import metadata
+
+  from packaging.requirements import Requirement
+
+  seen: set[str] = set()
+  todo = list(names)
+  while todo:
+    name = metadata.distribution(todo.pop()).metadata["Name"]
+    if name in seen:
+      continue
+    seen.add(name)
+    for text in metadata.requires(name) or ():
+      requirement = Requirement(text)
+      if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+        todo.append(requirement.name)
+  return seen
+
+
+def test_core_runs_with_jax_and_numpy_only(wheel, tmp_path):
+  """In an environment with the wheel, jax and numpy (and what they require) only: the
+  collectives, gradient summation, batch norm and the tuner import and run, load neither
+  optax, flax, matplotlib nor Pallas, and ``sharded_update`` names the extra to install."""
+  from importlib import metadata
+
+  env = tmp_path / "env"
+  subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True, timeout=120)
+  python = env / "bin" / "python"
+  subprocess.run(
+    [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps"]
+    + ["--no-index", str(wheel)],
+    check=True,
+    timeout=300,
+  )
+  deps = tmp_path / "deps"
+  deps.mkdir()
+  for name in _distribution_closure(["jax", "numpy"]):
+    for top in {pathlib.PurePath(f).parts[0] for f in metadata.distribution(name).files or ()}:
+      source = SITE_PACKAGES / top
+      if source.exists() and not (deps / top).exists() and top != "..":
+        (deps / top).symlink_to(source)
+  assert not (deps / "optax").exists() and (deps / "jax").exists()
+  site = pathlib.Path(
+    subprocess.check_output(
+      [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], text=True
+    ).strip()
+  )
+  (site / "dependencies.pth").write_text(f"{deps}\n")
+  environ = {
+    **os.environ,
+    "JAX_PLATFORMS": "cpu",
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    "PYTHONPATH": "",
+  }
+  result = subprocess.run(
+    [str(python), "-c", CORE_PROGRAM],
+    cwd=tmp_path,
+    env=environ,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 0, result.stderr[-4000:]
+  assert result.stdout.strip().endswith("ok")

@@ -11,16 +11,16 @@ Under ``check_vma=False`` there are no such types and every helper here is a no-
 from __future__ import annotations
 
 import jax
-from jax._src import config as _config
-from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
+
+from torus_collectives import _jax_internals as jax_internals
 
 AxisNames = tuple[str, ...]
 
 
 def vma_checked() -> bool:
   """Whether the enclosing shard_map checks varying-axes types (``check_vma=True``)."""
-  return bool(_config._check_vma.value)
+  return jax_internals.check_vma()
 
 
 def ensure_varying(x: jax.Array, axes: AxisNames) -> jax.Array:
@@ -37,7 +37,7 @@ def varying_like(x: jax.Array, shape, dtype=None) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, dtype or x.dtype, manual_axis_type=jax.typeof(x).mat)
 
 
-mark_invariant_p = Primitive("torus_mark_invariant")
+mark_invariant_p = jax_internals.Primitive("torus_mark_invariant")
 
 
 def _abstract_eval(aval, *, axes):

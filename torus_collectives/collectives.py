@@ -33,9 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import config as jax_config
-from jax._src import core as jax_core
 
+from torus_collectives import _jax_internals as jax_internals
 from torus_collectives import primitives, registry
 from torus_collectives._vma import ensure_varying, vma_checked
 from torus_collectives.configs import KernelConfig
@@ -100,7 +99,7 @@ class _Call:
     names = _names(axis_name)
     mesh = jax.sharding.get_abstract_mesh()
     manual = frozenset(getattr(mesh, "manual_axes", ()))
-    env = jax_core.get_axis_env()
+    env = jax_internals.get_axis_env()
     positional = any(isinstance(a, int) for a in names)
     unbound = tuple(a for a in names if not isinstance(a, int) and not env.axis_exists(a))
     self.names = names
@@ -113,7 +112,7 @@ class _Call:
       self.tile = tile or self.sizes
     elif groups is not None:
       group_kind = "other"
-    tracers = [leaf for leaf in leaves if isinstance(leaf, jax_core.Tracer)]
+    tracers = [leaf for leaf in leaves if isinstance(leaf, jax_internals.Tracer)]
     request = registry.CollectiveRequest(
       op=op,
       dtypes=tuple(dict.fromkeys(jnp.result_type(leaf) for leaf in leaves)),
@@ -151,7 +150,7 @@ class _Call:
     if not vma_checked() or not self.mesh_names:
       return leaf
     varying = jax.typeof(leaf).mat.varying
-    if not jax_config.auto_pcast.value and not set(self.mesh_names) & set(varying):
+    if not jax_internals.auto_pcast() and not set(self.mesh_names) & set(varying):
       raise ValueError(
         f"{op} is a variant->invariant collective: the input must vary over at least one "
         f"of the axes {self.names}, but its type is {jax.typeof(leaf)}"
@@ -170,7 +169,7 @@ def _torus_candidate(op: str, implementation: str, leaves, axis_name) -> bool:
     return False
   if implementation != "auto":
     return True
-  env = jax_core.get_axis_env()
+  env = jax_internals.get_axis_env()
   names = _names(axis_name)
   manual = frozenset(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
   if any(isinstance(a, int) or a not in manual or not env.axis_exists(a) for a in names):
@@ -209,7 +208,7 @@ def _sum(op, x, axis_name, axis_index_groups, implementation, config):
   if not _torus_candidate("all_reduce", implementation, jax.tree.leaves(x), axis_name):
     return None
   leaves, arrays, treedef = _prepare(x, op)
-  if all(not isinstance(leaf, jax_core.Tracer) for leaf in leaves):
+  if all(not isinstance(leaf, jax_internals.Tracer) for leaf in leaves):
     return None  # constants: lax multiplies by the axis size, no device work
   call = _Call("all_reduce", arrays, axis_name, axis_index_groups, "varying", implementation)
   if call.implementation == "xla":

@@ -10,7 +10,8 @@ remote DMA for v2/v3) and run anywhere else only in TPU interpret mode.
 from __future__ import annotations
 
 import jax
-from jax._src import config as jax_config
+
+from torus_collectives import _jax_internals as jax_internals
 
 # Generations whose libtpu cannot compile a Pallas remote DMA.
 PALLAS_UNSUPPORTED_TPU_KINDS = ("TPU v2", "TPU v3")
@@ -23,7 +24,7 @@ def target_device():
 
 def interpret_mode_active() -> bool:
   """Whether the caller is inside ``pltpu.force_tpu_interpret_mode(...)``."""
-  return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+  return jax_internals.pallas_tpu_interpret_mode()
 
 
 def pallas_compiles_for(device_kind: str) -> bool:

@@ -34,16 +34,15 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core as jax_core
-from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from torus_collectives import _jax_internals as jax_internals
 from torus_collectives import platform, registry
 from torus_collectives._vma import vma_checked
 from torus_collectives.layout import accumulation_dtype
 
 KINDS = ("reduce_scatter", "all_gather", "all_reduce")
-PRIMITIVES = {kind: Primitive(f"torus_{kind}") for kind in KINDS}
+PRIMITIVES = {kind: jax_internals.Primitive(f"torus_{kind}") for kind in KINDS}
 
 
 def bind(kind: str, x: jax.Array, *, axes, sizes, tile, impl, config, invariant=False):
@@ -121,7 +120,7 @@ def _transpose(kind):
         return (_own_chunk(ct, params["axes"], params["tile"]),)
       return (bind("reduce_scatter", ct, **params),)
     if params["invariant"]:  # d(sum)/dx_i is the identity on each device: no communication.
-      return (jax_core.pvary(ct, tuple(params["axes"])),)
+      return (jax_internals.pvary(ct, tuple(params["axes"])),)
     return (bind("all_reduce", ct, **params),)
 
   return rule

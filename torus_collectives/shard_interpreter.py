@@ -52,8 +52,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import core
 
+from torus_collectives import _jax_internals as jax_internals
 from torus_collectives._vma import ensure_varying, vma_checked
 from torus_collectives.layout import ceil_div, pad_to
 
@@ -196,7 +196,7 @@ def _inline(jaxpr, consts, in_atoms, counter, constants) -> tuple[list[_Eqn], li
   env: dict[Any, Any] = {}
 
   def read(atom):
-    return _Literal(atom.val) if isinstance(atom, core.Literal) else env[atom]
+    return _Literal(atom.val) if isinstance(atom, jax_internals.Literal) else env[atom]
 
   for var, value in zip(jaxpr.constvars, consts):
     key = next(counter)
@@ -230,7 +230,7 @@ def _call_body(eqn):
     body = eqn.params.get(name)
     if body is None:
       continue
-    if isinstance(body, core.ClosedJaxpr):
+    if isinstance(body, jax_internals.Jaxpr):  # closed: jax 0.12 has one class for both
       return body.jaxpr, body.consts
     return body, ()
   return None
