@@ -145,7 +145,30 @@ def _without(params, position):
 
 
 def _fold_batch(kind, x, params):
-  """Batch dimension 0 of ``x`` folded into each chunk: one collective for the batch."""
+  """Batch dimension 0 of ``x`` folded into each chunk: one collective for the batch.
+
+  A batch dimension sharded over mesh axes that are not manual here (an Explicit-axes
+  mesh outside the ``shard_map``, as ``vmap`` of a ``shard_map`` makes) cannot be folded
+  into a flat buffer: the fold then runs on each device's own batch rows, inside a
+  ``shard_map`` over those axes, with no communication over them.
+  """
+  batch_axes = _explicit_batch_axes(x)
+  if batch_axes:
+    spec = jax.sharding.PartitionSpec(batch_axes)
+    local = functools.partial(_fold_batch_local, kind, params=params)
+    return jax.shard_map(local, in_specs=spec, out_specs=spec, axis_names=set(batch_axes))(x)
+  return _fold_batch_local(kind, x, params)
+
+
+def _explicit_batch_axes(x) -> tuple[str, ...]:
+  """The mesh axes that shard dimension 0 of ``x`` (none under a manual mesh)."""
+  spec = getattr(jax.typeof(x).sharding, "spec", None)
+  if not spec or spec[0] is None:
+    return ()
+  return tuple(spec[0]) if isinstance(spec[0], (tuple, list)) else (spec[0],)
+
+
+def _fold_batch_local(kind, x, params):
   b = x.shape[0]
   p = math.prod(params["tile"])
   if kind == "all_reduce":

@@ -200,10 +200,28 @@ class CollectiveRequest:
   torus: tuple[int, ...] = ()
 
 
+# The lax collective each op stands in for, called as lax would be on an unbound axis.
+_LAX_CALLS = {
+  "all_reduce": lambda x, axis: jax.lax.psum(x, axis),
+  "reduce_scatter": lambda x, axis: jax.lax.psum_scatter(x, axis, tiled=True),
+  "all_gather": lambda x, axis: jax.lax.all_gather(x, axis),
+}
+
+
+def lax_unbound_axis_error(op: str, axis) -> NameError:
+  """The NameError lax raises for ``op`` over the unbound ``axis``, with lax's own text
+  (traced, not copied, so it stays lax's in every jax version)."""
+  try:
+    jax.eval_shape(lambda x: _LAX_CALLS[op](x, axis), jax.ShapeDtypeStruct((1,), jnp.float32))
+  except NameError as e:
+    return NameError(*e.args)
+  return NameError(f"unbound axis name: {axis}")
+
+
 def unsupported(implementation: str, request: CollectiveRequest) -> Exception | None:
   """Why the torus ``implementation`` cannot run ``request`` (the error to raise), or None."""
   if request.unbound:
-    return NameError(f"unbound axis name: {request.unbound[0]}")
+    return lax_unbound_axis_error(request.op, request.unbound[0])
   hint = 'use implementation="auto" (it runs lax here) or "xla"'
   for dtype in request.dtypes:
     if not supports(implementation, request.op, dtype):
