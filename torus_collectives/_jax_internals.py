@@ -9,12 +9,43 @@ package's core must not (Pallas loads only with the kernels).
   and reading traced jaxprs (``primitives``, ``_vma``, ``shard_interpreter``).
 * ``get_axis_env``: the named axes bound where a collective is called (``collectives``).
 * ``pvary``: the transpose of an invariant collective (``primitives``).
+* ``production_order``: where in the traced program each gradient leaf was computed, so
+  that buckets follow the backward pass (``gradients``).
+* ``backends_initialized``: whether it is too late to pass flags to libtpu
+  (``xla_settings``).
 * ``check_vma``, ``auto_pcast``, ``pallas_tpu_interpret_mode``: flags of the enclosing
   ``shard_map`` and interpret-mode context (``_vma``, ``collectives``, ``platform``).
 """
 
+import weakref
+
 from jax._src import config as _config
+from jax._src import xla_bridge
 from jax._src.core import Jaxpr, Literal, Primitive, Tracer, get_axis_env, pvary
+
+
+def production_order(leaves) -> list[int] | None:
+  """For each leaf, the position in the enclosing trace of the equation that computed it,
+  or None if some leaf is not a value traced into that program (then no order is known)."""
+  frames = {id(getattr(getattr(leaf, "_trace", None), "frame", None)) for leaf in leaves}
+  if len(frames) != 1 or not leaves:
+    return None
+  frame = getattr(leaves[0]._trace, "frame", None)
+  eqns = getattr(frame, "tracing_eqns", None)
+  if eqns is None:
+    return None
+  position = {}
+  for i, eqn in enumerate(eqns):
+    eqn = eqn() if isinstance(eqn, weakref.ReferenceType) else eqn
+    if eqn is not None:
+      position[id(eqn)] = i
+  order = [position.get(id(getattr(leaf, "parent", None))) for leaf in leaves]
+  return None if any(i is None for i in order) else order
+
+
+def backends_initialized() -> bool:
+  """Whether jax has started a backend (libtpu reads its flags only before that)."""
+  return bool(xla_bridge._backends)
 
 
 def check_vma() -> bool:
@@ -37,8 +68,10 @@ __all__ = [
   "Primitive",
   "Tracer",
   "auto_pcast",
+  "backends_initialized",
   "check_vma",
   "get_axis_env",
   "pallas_tpu_interpret_mode",
+  "production_order",
   "pvary",
 ]

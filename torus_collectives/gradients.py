@@ -1,16 +1,21 @@
 """Gradient summation for data-parallel training: ``all_reduce_gradients``.
 
 A ResNet-50 gradient is 161 arrays; one collective each would pay the per-collective
-latency 161 times. As Horovod's tensor fusion does, leaves are packed in order into a few
-flat buckets of at most ``bucket_bytes`` (a larger leaf gets a bucket of its own, and each
-bucket holds one dtype), each bucket is all-reduced once, and the results are unpacked.
+latency 161 times. As Horovod's tensor fusion and PyTorch DDP's buckets do, leaves are
+grouped, in the order the backward pass produces them (last layers first), into a few
+buckets of at most ``bucket_bytes`` (a larger leaf gets a bucket of its own, and each
+bucket holds one dtype), and each bucket is reduced by one collective that depends only on
+its own leaves, so it can run while the rest of the backward pass computes.
 With ``transport_dtype`` (e.g. bfloat16) the buckets travel in that dtype; the torus
 implementations still accumulate floating-point partial sums in float32.
 
-Packing pays only for the torus implementations. When the implementation is XLA (what
-"auto" picks unless the tuner measured otherwise for this tree's size, as op
-``all_reduce_gradients``), the tree goes to ``lax.psum`` / ``lax.pmean`` leaf by leaf, with no
-concatenate or slice copies: XLA's all-reduce combiner fuses those collectives itself.
+The torus implementations pack each bucket into one flat buffer. When the implementation
+is XLA (what "auto" picks unless the tuner measured otherwise for this tree's size, as op
+``all_reduce_gradients``), each bucket's leaves go to one variadic ``lax.psum`` /
+``lax.pmean``, with no concatenate or slice copies, and equal ``lax.pmean`` of the tree
+bitwise. Under XLA's default flags its all-reduce combiner merges them all into one
+collective after the backward pass; ``torus_collectives.xla_settings`` has the flags that
+keep them apart and asynchronous.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from torus_collectives import _jax_internals as jax_internals
 from torus_collectives import registry
 from torus_collectives.collectives import AxisName, all_reduce
 
@@ -29,10 +35,17 @@ DEFAULT_BUCKET_BYTES = 32 * 2**20
 
 
 def _buckets(leaves: list[jax.Array], bucket_bytes: int) -> list[list[int]]:
-  """Greedy, order-preserving packing of leaf indices; one dtype per bucket."""
+  """Greedy packing of leaf indices, one dtype per bucket, in the order the traced program
+  computed the leaves: for gradients, the order the backward pass produces them, last
+  layers first, so each bucket's collective can start while earlier layers are still
+  being differentiated. Leaves that are not computed in the traced program (inputs,
+  concrete arrays) keep the tree's order."""
+  order = jax_internals.production_order(leaves)
+  indices = sorted(range(len(leaves)), key=order.__getitem__) if order else range(len(leaves))
   buckets: list[list[int]] = []
   size = 0
-  for i, leaf in enumerate(leaves):
+  for i in indices:
+    leaf = leaves[i]
     nbytes = leaf.size * leaf.dtype.itemsize
     same_dtype = buckets and leaves[buckets[-1][0]].dtype == leaf.dtype
     if same_dtype and size + nbytes <= bucket_bytes:
@@ -77,14 +90,23 @@ def all_reduce_gradients(
       "all_reduce_gradients", dtype, nbytes=nbytes, torus=torus
     )
   implementation = registry.resolve("all_reduce", implementation, dtype)
-  if implementation == "xla":
-    if transport_dtype is None:
-      return (lax.pmean if mean else lax.psum)(tree, axis_name)
-    summed = lax.psum(wire, axis_name)
-    out = [(s.astype(jnp.float32) * scale).astype(g.dtype) for s, g in zip(summed, leaves)]
-    return jax.tree.unflatten(treedef, out)
   out: list[jax.Array | None] = [None] * len(leaves)
-  for bucket in _buckets(wire, bucket_bytes):
+  buckets = _buckets(wire, bucket_bytes)
+  if implementation == "xla":
+    # One variadic lax collective per bucket, on the leaves themselves (no packing copy):
+    # each can be scheduled as soon as its bucket's gradients exist.
+    for bucket in buckets:
+      if transport_dtype is None:
+        reduced = (lax.pmean if mean else lax.psum)([leaves[i] for i in bucket], axis_name)
+      else:
+        summed = lax.psum([wire[i] for i in bucket], axis_name)
+        reduced = [
+          (s.astype(jnp.float32) * scale).astype(leaves[i].dtype) for s, i in zip(summed, bucket)
+        ]
+      for i, value in zip(bucket, reduced):
+        out[i] = value
+    return jax.tree.unflatten(treedef, out)
+  for bucket in buckets:
     flat = jnp.concatenate([wire[i].reshape(-1) for i in bucket])
     summed = all_reduce(flat, axes, implementation=implementation)
     offset = 0

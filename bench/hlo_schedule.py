@@ -1,0 +1,301 @@
+"""The scheduled program of a compiled step, and how much of its communication is exposed.
+
+XLA prints the ENTRY computation of ``compiled.as_text()`` in schedule order, and the TPU
+backend writes its own cost estimate of each fusion and convolution into the op's backend
+config as ``"estimated_cycles"``. From those two facts this module builds a timeline of
+one step on one chip:
+
+* compute runs one op at a time on the TensorCore, each for its estimated cycles at the
+  generation's clock (``CLOCK_HZ``);
+* each collective is priced by a caller-supplied function of its bytes (the alpha-beta
+  ``cost_model`` in ``bench.overlap_report``), since the compiler gives no cycle estimate
+  for communication;
+* a synchronous collective (``all-reduce``, ``all-gather``, ``reduce-scatter``, a Pallas
+  ``tpu_custom_call``, which holds the TensorCore from its first DMA to its last) blocks
+  for its whole time;
+* an asynchronous pair (``X-start`` ... ``X-done``, including XLA's
+  ``async-collective-start``/``-done`` fusions) starts its transfer at the start and, at
+  the done, waits only for what the compute scheduled between them did not cover.
+
+Everything here is a compiler estimate combined with a model: no figure is measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+
+# TensorCore clocks (Hz) that turn the compiler's estimated cycles into seconds. v4's
+# 1,050 MHz is from Jouppi et al., "TPU v4", ISCA 2023; the Cloud TPU documentation does
+# not publish the others, so v5e's, v5p's and v6e's are ASSUMED. Each report checks the
+# assumption on its own program: the estimated compute time against the program's FLOPs
+# at peak (``PEAK_FLOPS``), printed as a ratio.
+CLOCK_HZ = {"v4": 1.05e9, "v5e": 1.5e9, "v5p": 1.75e9, "v6e": 1.75e9}
+# Peak bf16 FLOP/s per chip, from the Cloud TPU documentation.
+PEAK_FLOPS = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12}
+
+DTYPE_BYTES = {
+  "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+  "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1,
+}  # fmt: skip
+SYNC_COLLECTIVES = frozenset({"all-reduce", "all-gather", "reduce-scatter", "all-to-all"})
+ASYNC_STARTS = frozenset(
+  {"all-reduce-start", "all-gather-start", "reduce-scatter-start", "collective-permute-start"}
+)
+ASYNC_FUSION_START, ASYNC_FUSION_DONE = "async-collective-start", "async-collective-done"
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_CYCLES = re.compile(r'"estimated_cycles":"([0-9]+)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_CALLS = re.compile(r"calls=%([\w.\-]+)")
+_GROUPS = re.compile(r"replica_groups=mesh\[[^\]]*\] \{([^}]*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  """One instruction of the ENTRY computation."""
+
+  name: str
+  opcode: str
+  result: str  # the result's shape text
+  operands: tuple[str, ...]
+  cycles: int | None
+  op_name: str
+  target: str  # custom_call_target, or ""
+  calls: str  # the fused computation, or ""
+  axes: tuple[str, ...] | None  # mesh axes of its replica groups (of its body, if fused)
+
+  @property
+  def result_bytes(self) -> int:
+    return shape_bytes(self.result)
+
+  @property
+  def kind(self) -> str:
+    """ "sync", "start", "done", "pallas", "compute" or "other"."""
+    if self.opcode in SYNC_COLLECTIVES:
+      return "sync"
+    if self.opcode in ASYNC_STARTS or self.name.startswith(ASYNC_FUSION_START):
+      return "start"
+    if self.opcode.endswith("-done") and self.opcode != "copy-done":
+      return "done"
+    if self.name.startswith(ASYNC_FUSION_DONE):
+      return "done"
+    if self.opcode == "custom-call" and self.target == "tpu_custom_call":
+      return "pallas"
+    if self.cycles is not None:
+      return "compute"
+    return "other"
+
+
+def shape_bytes(shape: str) -> int:
+  """Bytes of every array in a shape text such as ``(f32[8]{0}, bf16[2,3]{1,0})``."""
+  total = 0
+  for dtype, dims in _ARRAY.findall(shape):
+    if dtype in DTYPE_BYTES:
+      total += DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+  return total
+
+
+def _balanced(text: str, start: int) -> int:
+  """Index just past the bracket group opening at ``text[start]``."""
+  depth = 0
+  pairs = {"(": ")", "[": "]", "{": "}"}
+  closing = set(pairs.values())
+  for i in range(start, len(text)):
+    if text[i] in pairs:
+      depth += 1
+    elif text[i] in closing:
+      depth -= 1
+      if depth == 0:
+        return i + 1
+  raise ValueError(f"unbalanced brackets in {text[start : start + 80]!r}")
+
+
+def parse_instruction(line: str) -> Op | None:
+  """An ENTRY instruction line, parsed; None for anything else."""
+  line = line.strip()
+  if line.startswith("ROOT "):
+    line = line[5:]
+  if not line.startswith("%") or " = " not in line:
+    return None
+  name, rest = line[1:].split(" = ", 1)
+  end = _balanced(rest, 0) if rest.startswith("(") else rest.index(" ")
+  result, rest = rest[:end], rest[end:].lstrip()
+  paren = rest.index("(")
+  opcode = rest[:paren]
+  close = _balanced(rest, paren)
+  operands = tuple(re.findall(r"%([\w.\-]+)", rest[paren:close]))
+  attributes = rest[close:]
+  cycles = _CYCLES.search(attributes)
+  op_name = _OP_NAME.search(attributes)
+  target = _TARGET.search(attributes)
+  calls = _CALLS.search(attributes)
+  groups = _GROUPS.search(attributes)
+  return Op(
+    name=name,
+    opcode=opcode,
+    result=result,
+    operands=operands,
+    cycles=int(cycles.group(1)) if cycles else None,
+    op_name=op_name.group(1) if op_name else "",
+    target=target.group(1) if target else "",
+    calls=calls.group(1) if calls else "",
+    axes=_axes(groups.group(1)) if groups else None,
+  )
+
+
+def _axes(text: str) -> tuple[str, ...]:
+  return tuple(a.strip().strip("'") for a in text.split(",") if a.strip())
+
+
+def computations(hlo_text: str) -> dict[str, str]:
+  """Every computation of the module by name, with its body's text."""
+  out, name, body = {}, None, []
+  for line in hlo_text.splitlines():
+    if name is None:
+      if line.startswith(("%", "ENTRY ")) and line.rstrip().endswith("{"):
+        name = line.split()[1 if line.startswith("ENTRY ") else 0].lstrip("%")
+        body = []
+    elif line.startswith("}"):
+      out[name] = "\n".join(body)
+      name = None
+    else:
+      body.append(line)
+  return out
+
+
+def entry_ops(hlo_text: str) -> list[Op]:
+  """The ENTRY computation's instructions, in schedule order; a fusion without replica
+  groups of its own (an async collective fusion) takes those of the collective inside."""
+  bodies = computations(hlo_text)
+  ops, inside = [], False
+  for line in hlo_text.splitlines():
+    if line.startswith("ENTRY "):
+      inside = True
+      continue
+    if inside and line.startswith("}"):
+      break
+    if inside:
+      op = parse_instruction(line)
+      if op is not None and op.axes is None and op.calls in bodies:
+        groups = _GROUPS.search(bodies[op.calls])
+        if groups:
+          op = dataclasses.replace(op, axes=_axes(groups.group(1)))
+      if op is not None:
+        ops.append(op)
+  if not inside:
+    raise ValueError("no ENTRY computation in the program text")
+  return ops
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveRow:
+  """One collective on the timeline."""
+
+  name: str
+  kind: str  # "sync", "async" or "pallas"
+  nbytes: int
+  modelled_s: float
+  covered_s: float  # compute scheduled between its start and its done
+  exposed_s: float
+  after_last_convolution: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+  rows: tuple[CollectiveRow, ...]
+  compute_s: float  # the TensorCore's estimated busy time
+
+  @property
+  def communication_s(self) -> float:
+    return sum(r.modelled_s for r in self.rows)
+
+  @property
+  def exposed_s(self) -> float:
+    return sum(r.exposed_s for r in self.rows)
+
+  def summary(self) -> str:
+    """The report's last line."""
+    share = 100 * self.exposed_s / self.communication_s if self.communication_s else 0.0
+    return (
+      f"exposed gradient communication: {1e3 * self.exposed_s:.3f} ms of "
+      f"{1e3 * self.communication_s:.3f} ms ({share:.1f} %); step compute "
+      f"{1e3 * self.compute_s:.3f} ms"
+    )
+
+
+def _collective_bytes(op: Op, by_name: dict[str, Op]) -> int:
+  """Bytes a collective reduces or gathers per device: its operands'."""
+  operands = [by_name[o] for o in op.operands if o in by_name]
+  return sum(o.result_bytes for o in operands) or op.result_bytes
+
+
+def _source(name: str, by_name: dict[str, Op]) -> str:
+  """The op a value comes from, through get-tuple-element and bitcast."""
+  while name in by_name and by_name[name].opcode in ("get-tuple-element", "bitcast"):
+    name = by_name[name].operands[0]
+  return name
+
+
+def _start_of(done: Op, by_name: dict[str, Op], in_flight) -> str | None:
+  """The in-flight start a done completes. XLA's async collective fusions pass their state
+  through the compute fusions in between, so they pair by name (``async-collective-done.N``
+  with ``async-collective-start.N``, checked by shape); other pairs by their operand."""
+  if done.name.startswith(ASYNC_FUSION_DONE):
+    start = ASYNC_FUSION_START + done.name[len(ASYNC_FUSION_DONE) :]
+    if start not in in_flight:
+      return None
+    operand = by_name[start].operands[0] if by_name[start].operands else None
+    if operand in by_name and shape_bytes(by_name[operand].result) != done.result_bytes:
+      raise ValueError(f"{done.name} does not match {start}: their shapes differ")
+    return start
+  starts = {_source(o, by_name) for o in done.operands} & set(in_flight)
+  return starts.pop() if len(starts) == 1 else None
+
+
+def timeline(
+  ops: list[Op],
+  clock_hz: float,
+  price: Callable[[Op, int], float],
+  *,
+  counts: Callable[[Op], bool] = lambda op: True,
+  is_convolution: Callable[[Op], bool] = lambda op: "conv" in op.op_name,
+) -> Timeline:
+  """The step's timeline (module doc). ``price(op, nbytes)`` is a collective's modelled
+  seconds, ``nbytes`` what it reduces or gathers per device; ``counts(op)`` selects the
+  collectives reported (the gradient's); the others are timed but not reported."""
+  by_name = {op.name: op for op in ops}
+  last_conv = max((i for i, op in enumerate(ops) if is_convolution(op)), default=-1)
+  now = busy = 0.0
+  in_flight: dict[str, tuple[float, float, float, int, int]] = {}  # start, busy, T, bytes, i
+  rows = []
+  for i, op in enumerate(ops):
+    kind = op.kind
+    if kind in ("sync", "pallas"):
+      nbytes = _collective_bytes(op, by_name)
+      seconds = price(op, nbytes)
+      if counts(op):
+        rows.append(CollectiveRow(op.name, kind, nbytes, seconds, 0.0, seconds, i > last_conv))
+      now += seconds
+    elif kind == "start":
+      nbytes = _collective_bytes(op, by_name)
+      in_flight[op.name] = (now, busy, price(op, nbytes), nbytes, i)
+    elif kind == "done":
+      start = _start_of(op, by_name, in_flight)
+      if start is None:
+        continue
+      began, busy_then, seconds, nbytes, index = in_flight.pop(start)
+      finish = max(now, began + seconds)
+      if counts(by_name[start]):
+        covered, exposed = busy - busy_then, finish - now
+        rows.append(
+          CollectiveRow(start, "async", nbytes, seconds, covered, exposed, index > last_conv)
+        )
+      now = finish
+    elif op.cycles:  # compute: a fusion, a convolution, a copy the compiler priced
+      seconds = op.cycles / clock_hz
+      now += seconds
+      busy += seconds
+  return Timeline(tuple(rows), busy)

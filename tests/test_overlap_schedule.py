@@ -1,0 +1,131 @@
+"""The scheduled-program reader and timeline of ``bench.hlo_schedule``, on programs whose
+answer is computed by hand, and the order in which gradient buckets are issued."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import torus_collectives as tc
+from bench import hlo_schedule
+from torus_collectives import xla_settings
+
+CLOCK = 1e9  # 1 cycle = 1 ns
+
+
+def _fusion(name, cycles, operands=""):
+  return (
+    f"  %{name} = f32[1024]{{0}} fusion({operands}), kind=kLoop, calls=%c, "
+    f'metadata={{op_name="jit(step)/transpose(jvp(Net))/conv_general_dilated"}}, '
+    f'backend_config={{"estimated_cycles":"{cycles}"}}'
+  )
+
+
+def _program(*lines) -> str:
+  body = "\n".join(lines)
+  return f"HloModule m\n\nENTRY %main (p: f32[1024]) -> f32[1024] {{\n{body}\n}}\n"
+
+
+def _price(op, nbytes):
+  return 2e-6 if nbytes else 0.0  # every collective: 2 us
+
+
+BLOCKING = _program(
+  "  %p = f32[1024]{0} parameter(0)",
+  _fusion("fusion.1", 3000, "%p"),
+  "  %all-reduce = f32[1024]{0} all-reduce(%fusion.1), channel_id=1, "
+  "replica_groups=mesh['x'=2,'y'=2] {'x','y'}, to_apply=%add",
+)
+ASYNC = _program(
+  "  %p = f32[1024]{0} parameter(0)",
+  "  %async-collective-start = (f32[1024]{0}, u32[]{:S(2)}) fusion(%p), kind=kCustom, calls=%ar",
+  "  %get-tuple-element.1 = u32[]{:S(2)} get-tuple-element(%async-collective-start), index=1",
+  _fusion("fusion.1", 1500, "%p, %get-tuple-element.1"),
+  _fusion("fusion.2", 1000, "%fusion.1"),
+  "  %async-collective-done = f32[1024]{0} fusion(%fusion.2), kind=kCustom, calls=%ar_done",
+)
+
+
+def test_a_blocking_all_reduce_after_backward_is_all_exposed():
+  timeline = hlo_schedule.timeline(hlo_schedule.entry_ops(BLOCKING), CLOCK, _price)
+  (row,) = timeline.rows
+  assert (row.kind, row.nbytes, row.after_last_convolution) == ("sync", 4096, True)
+  assert row.exposed_s == row.modelled_s == 2e-6
+  assert timeline.compute_s == pytest.approx(3e-6)
+  assert timeline.summary() == (
+    "exposed gradient communication: 0.002 ms of 0.002 ms (100.0 %); step compute 0.003 ms"
+  )
+
+
+def test_an_async_pair_around_longer_compute_is_hidden():
+  timeline = hlo_schedule.timeline(hlo_schedule.entry_ops(ASYNC), CLOCK, _price)
+  (row,) = timeline.rows
+  assert row.kind == "async"
+  assert row.covered_s == pytest.approx(2.5e-6)  # 1500 + 1000 cycles between start and done
+  assert row.exposed_s == 0.0
+  assert "(0.0 %)" in timeline.summary()
+
+
+def test_an_async_pair_around_shorter_compute_exposes_the_rest():
+  slow = lambda op, nbytes: 4e-6
+  timeline = hlo_schedule.timeline(hlo_schedule.entry_ops(ASYNC), CLOCK, slow)
+  assert timeline.rows[0].exposed_s == pytest.approx(1.5e-6)  # 4 us transfer - 2.5 us compute
+
+
+def test_instruction_parsing():
+  op = hlo_schedule.parse_instruction(
+    "  %copy-start.5 = (bf16[8,32]{1,0}, bf16[8,32]{1,0}, u32[]{:S(2)}) copy-start(%param.1), "
+    'backend_config={"estimated_cycles":"42"}'
+  )
+  assert (op.name, op.opcode, op.operands, op.cycles) == (
+    "copy-start.5",
+    "copy-start",
+    ("param.1",),
+    42,
+  )
+  assert op.result_bytes == 2 * 8 * 32 * 2 + 4
+
+
+def test_libtpu_flags_keep_the_users_values():
+  merged = xla_settings.libtpu_init_args("--xla_enable_async_all_reduce=false --other=1")
+  flags = merged.split()
+  assert "--xla_enable_async_all_reduce=false" in flags and "--other=1" in flags
+  assert "--xla_jf_crs_combiner_threshold_in_bytes=0" in flags
+  assert len(flags) == len(xla_settings.OVERLAP_FLAGS) + 1
+
+
+def test_settings_refuse_once_a_backend_runs():
+  jax.devices()
+  with pytest.raises(RuntimeError, match="before jax starts a backend"):
+    xla_settings.apply({})
+
+
+@pytest.mark.parametrize("implementation", ["xla", "shard_map"])
+def test_buckets_follow_the_backward_pass(implementation):
+  """The last layer's gradient is produced first by the backward pass, so its bucket's
+  collective comes first in the program; the tree's own order would put "a" first."""
+  mesh = tc.make_torus_mesh((2, 4))
+  shapes = {"a": (3, 4), "b": (4, 5), "c": (5, 6)}
+  params = {k: jnp.ones(s) for k, s in shapes.items()}
+
+  def step(params, x):
+    grads = jax.grad(lambda p: jnp.sum(x @ p["a"] @ p["b"] @ p["c"]))(params)
+    return tc.all_reduce_gradients(grads, ("x", "y"), bucket_bytes=1, implementation=implementation)
+
+  f = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(("x", "y"))), out_specs=P())
+  jaxpr = jax.make_jaxpr(f)(params, jnp.ones((8, 3)))
+  shapes_in_order = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name in ("psum", "psum_invariant", "torus_all_reduce"):
+        shapes_in_order.append(tuple(eqn.invars[0].aval.shape))
+      for value in eqn.params.values():
+        if hasattr(value, "eqns"):
+          walk(value)
+        elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+          walk(value.jaxpr)
+
+  walk(jaxpr.jaxpr)
+  flat = {(5, 6): "c", (30,): "c", (4, 5): "b", (20,): "b", (3, 4): "a", (12,): "a"}
+  assert list(dict.fromkeys(flat[s] for s in shapes_in_order)) == ["c", "b", "a"]
