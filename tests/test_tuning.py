@@ -398,6 +398,12 @@ def test_bad_or_foreign_tables_are_ignored_with_a_warning(contents, match):
     assert _auto() == "xla"
 
 
+def test_a_table_of_another_device_passed_to_use_table_warns():
+  tuning.use_table(_table("shard_map", device_kind="TPU v5 lite"))
+  with pytest.warns(tuning.TuningTableWarning, match="measured on 'TPU v5 lite'"):
+    assert _auto() == "xla"
+
+
 def test_shipped_tables_of_other_devices_are_skipped_silently():
   _table("shard_map", device_kind="TPU v5 lite").save(tuning.SHIPPED_DIR / "v5e.json")
   with warnings.catch_warnings():

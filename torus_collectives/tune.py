@@ -219,7 +219,7 @@ def measure(
     runs = timing.Interleaved({n: case.build(n) for n in names}, timer).run(rounds)
     ratios = {n: runs.round_ratios(n, tuning.BASELINE) for n in names if n != tuning.BASELINE}
     text = ", ".join(
-      f"{n} {np.median(r):.2f}x (CI high {tuning.ci_high(r):.2f})" for n, r in ratios.items()
+      f"{n} {np.median(r):.2f}x (CI high {tuning.ci_high(r):.3f})" for n, r in ratios.items()
     )
     say(f"{prefix}: {text} ({time.perf_counter() - start:.1f} s)")
     out.append((case, ratios))
@@ -404,7 +404,7 @@ class Verdict:
     if self.holds is None:
       return f"{head}: not re-measured ({self.note})"
     figures = "; ".join(
-      f"{n} " + ", ".join(f"{r.median[n]:.2f} [{r.ci_high[n]:.2f}]" for r in self.fresh)
+      f"{n} " + ", ".join(f"{r.median[n]:.2f} [{r.ci_high[n]:.3f}]" for r in self.fresh)
       for n in sorted({n for r in self.fresh for n in r.median})
     )
     verdict = "holds" if self.holds else "NO LONGER HOLDS"

@@ -40,9 +40,9 @@ implementation replaces it only if it beats XLA with confidence, in more than on
   its output file already holds, so it takes a second process to confirm a choice.
 * Why two processes: the bootstrap interval accounts for noise between rounds of one run,
   not for what stays fixed within a process (memory layout, thread placement, what else
-  the machine runs for minutes). On 8 simulated CPU devices a run put shard_map's bf16
-  all-gather of 16 MiB at 0.77x XLA's time; three later runs measured 1.56x, 1.56x and
-  1.33x.
+  the machine runs for minutes). On 8 simulated CPU devices one run put shard_map's bf16
+  all-gather of 16 MiB at 0.77x XLA's time; five later runs, each in its own process,
+  put its median at 1.56x, 1.22x, 1.50x, 1.07x and 0.99x.
 * Assumptions: rounds of a run are exchangeable (the random order of ``timing`` serves
   this), and what a candidate gains over XLA holds for the sizes of its bucket and up to
   the next measured one (``lookup``). ``python -m torus_collectives.tune --validate TABLE``
@@ -398,7 +398,7 @@ def format_table(table: Table) -> str:
 def _cell(entry: Entry, name: str) -> str:
   if not entry.runs:
     return f"{entry.ratios[name]:.2f}" if name in entry.ratios else "-"
-  parts = [f"{r.median[name]:.2f} [{r.ci_high[name]:.2f}]" for r in entry.runs if name in r.median]
+  parts = [f"{r.median[name]:.2f} [{r.ci_high[name]:.3f}]" for r in entry.runs if name in r.median]
   return ", ".join(parts) or "-"
 
 
