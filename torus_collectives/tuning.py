@@ -326,6 +326,11 @@ class Table:
     """Parses a table; raises ValueError on anything malformed."""
     try:
       data = json.loads(text)
+      if data.get("format") != FORMAT:
+        raise ValueError(
+          f"not a tuning table of format {FORMAT} (its format: {data.get('format')}); "
+          f"run `{TUNE_COMMAND}` again"
+        )
       entries = []
       for e in data.pop("entries"):
         runs = [Run(**r) for r in e.pop("runs", [])]
