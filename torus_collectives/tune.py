@@ -562,8 +562,12 @@ def _validate_main(args: argparse.Namespace) -> tuning.Table:
 
 def main(argv: Sequence[str] | None = None) -> tuning.Table:
   args = _parser().parse_args(argv)
-  if args.runs < 1:
-    raise SystemExit(f"--runs must be positive, got {args.runs}")
+  if args.runs < 1 or args.rounds < 1:
+    raise SystemExit(f"--runs and --rounds must be positive, got {args.runs}, {args.rounds}")
+  if args.rounds < tuning.MIN_ROUNDS and not args.child:
+    print(
+      f"note: a run of fewer than {tuning.MIN_ROUNDS} rounds passes nothing: every choice is xla"
+    )
   start = time.perf_counter()
   if args.validate:
     table = _validate_main(args)
