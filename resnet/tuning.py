@@ -2,9 +2,11 @@
 
 The gradient summation of the model's parameter tree and batch norm on the activation
 shapes the model normalizes (per replica) are timed with ``torus_collectives.tune.tune_for``
-on every process; process 0's timings decide for all. The table is written to the user
-cache and installed, so the train step traced afterwards runs what was measured fastest,
-and the run log says which implementation each op got.
+on every process; process 0's timings and table file decide for all. The run is added to
+the user cache and the result installed, so the train step traced afterwards runs what
+the rule of ``torus_collectives.tuning`` confirms: a torus implementation only once it
+beat XLA with confidence in this run and in an earlier one, from another process, that
+the cache holds. The run log says which implementation each op got.
 """
 
 from typing import Any

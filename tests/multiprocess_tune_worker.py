@@ -1,13 +1,17 @@
 """One process of the two-process tuning test: ``python multiprocess_tune_worker.py PORT ID``.
 
 Both processes tune the same cases on a 2x4 torus (4 simulated CPU devices each), with a
-fake timer whose verdicts disagree between the processes. Each prints its table's choices
-and a hash of the compiled "auto" program; the test checks that they agree.
+fake timer whose verdicts disagree between the processes, into table files that disagree
+too: each holds an earlier run (from another process) that agrees with its own timer, so
+each file plus its own run would confirm a different choice. Each prints its table's
+choices and a hash of the compiled "auto" program; the test checks that they agree.
 """
 
 import hashlib
 import json
 import sys
+import tempfile
+from pathlib import Path
 
 import multiprocess_setup  # first: it sets the device count before jax loads
 
@@ -28,11 +32,22 @@ VERDICTS = {
 def main(port: int, process_id: int) -> None:
   multiprocess_setup.join(port, process_id)
   import torus_collectives as tc
-  from torus_collectives import tune
+  from torus_collectives import tune, tuning
 
   def timer(name, call):
     jax.block_until_ready(call())  # every process runs every collective
     return VERDICTS[process_id][name]
+
+  earlier = tuning.Run.of(
+    {n: [VERDICTS[process_id][n]] * tuning.MIN_ROUNDS for n in ("shard_map", "lax_torus")},
+    process=f"earlier-{process_id}",
+  )
+  path = Path(tempfile.mkdtemp()) / "table.json"
+  entries = [
+    tuning.Entry.from_runs("2x4", op, "float32", tuning.size_bucket(MiB), [earlier])
+    for op in ("all_reduce", "reduce_scatter")
+  ]
+  tuning.Table(jax.devices()[0].device_kind, "earlier", tuning.now(), entries).save(path)
 
   mesh = tc.make_torus_mesh((2, 4))
   table = tune.tune(
@@ -40,11 +55,13 @@ def main(port: int, process_id: int) -> None:
     sizes=[MiB],
     dtypes=["float32"],
     ops=["all_reduce", "reduce_scatter"],
-    rounds=2,
+    rounds=tuning.MIN_ROUNDS,
     timer=timer,
-    output="",
+    output=str(path),
     progress=None,
   )
+  written = tuning.Table.from_json(path.read_text())
+  assert {e.op: e.choice for e in written.entries} == {e.op: e.choice for e in table.entries}
   choices = {f"{e.op}": e.choice for e in table.entries}
 
   spec = P(("x", "y"))

@@ -18,7 +18,8 @@ def test_two_processes_match_lax():
 
 @pytest.mark.multiprocess
 def test_two_processes_tune_to_one_decision_and_one_program():
-  """Local timings disagree (see the worker); process 0's decide, on both."""
+  """Local timings and table files disagree (see the worker); process 0's decide, on
+  both: its file's earlier run and its own run both pass lax_torus."""
   results = []
   for out in run_two(TUNE_WORKER):
     line = next(s for s in out.splitlines() if s.startswith("RESULT "))

@@ -27,7 +27,13 @@ from torus_collectives.collectives import (
 from torus_collectives.configs import BlockSizes, KernelConfig
 from torus_collectives.gradients import all_reduce_gradients
 from torus_collectives.groups import group_sum, resolve_tile
-from torus_collectives.registry import IMPLEMENTATIONS, Implementation, auto_implementation
+from torus_collectives.registry import (
+  IMPLEMENTATIONS,
+  Implementation,
+  auto_implementation,
+  auto_rounding_bound,
+  bitwise_as_lax,
+)
 from torus_collectives.shard_interpreter import UnshardableTransformError
 from torus_collectives.topology import make_torus_mesh
 
@@ -42,7 +48,9 @@ __all__ = [
   "all_reduce",
   "all_reduce_gradients",
   "auto_implementation",
+  "auto_rounding_bound",
   "batch_norm",
+  "bitwise_as_lax",
   "group_sum",
   "lars",
   "make_torus_mesh",

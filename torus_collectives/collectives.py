@@ -9,6 +9,14 @@ names of the same ops.
 * ``implementation="xla"`` is lax itself, called with the arguments as given.
 * ``"auto"`` asks ``registry.resolve_collective`` whether its choice of torus
   implementation runs the request, and otherwise calls lax: it is never stricter than lax.
+  What it promises about values (``registry.auto_implementation``): where it runs XLA,
+  which is everywhere no tuning table picked a torus implementation for the request, the
+  result is lax's, bitwise; where a measured table picks one, the result is lax's within
+  rounding, ``|auto - lax| <= registry.auto_rounding_bound(op, dtype, p) * sum_i |x_i|``
+  per element over the p devices' inputs (about ``(p - 1) * eps * sum_i |x_i|``; bitwise
+  for all-gathers, integers and booleans). For bitwise reproducibility whatever the
+  tables say, ``with tc.bitwise_as_lax():`` or ``TORUS_COLLECTIVES_BITWISE=1`` keeps
+  "auto" on lax for floating dtypes.
 * ``"shard_map"`` and ``"pallas"`` run the torus schedule. The work here is what they share:
   validating the request before any device work, and packing a pytree into one flat
   buffer per dtype (one collective per dtype bucket, not one per leaf) with the scattered

@@ -17,6 +17,8 @@ Four ops have implementations: the three collectives (``all_reduce``, ``reduce_s
   support falls back to XLA. Batch norm is XLA whatever was measured: timed alone its
   Pallas kernels beat XLA's fusions, but inside a network XLA fuses batch norm into the
   neighbouring convolutions, which an opaque kernel cannot join (see ``auto_implementation``).
+  What "auto" promises about values, and the switch that keeps it bitwise: see
+  ``auto_implementation`` and ``bitwise_as_lax``.
 
 Backends are imported lazily, so ``import torus_collectives`` never imports Pallas.
 A collective backend provides three functions on 1-D per-device buffers, called inside the
@@ -36,12 +38,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import typing
 from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax._src import config as jax_config
 
 from torus_collectives import platform, tuning
 from torus_collectives.batch_norm_passes import REFERENCE, Passes
@@ -99,6 +103,92 @@ def candidates(op: str, dtype, device_kind: str | None = None) -> tuple[str, ...
   )
 
 
+BITWISE_ENV_VAR = "TORUS_COLLECTIVES_BITWISE"
+# A jax config option (so that jit's caches are keyed by it), named so that jax reads
+# its default from the environment variable above.
+_BITWISE = jax_config.bool_state(
+  name=BITWISE_ENV_VAR.lower(),
+  default=False,
+  help='Keep implementation="auto" on XLA (lax) for floating-point dtypes, whatever a '
+  "tuning table measured, so that its results are bitwise those of lax.",
+  include_in_jit_key=True,
+  include_in_trace_context=True,
+)
+
+
+def bitwise_as_lax(enabled: bool = True):
+  """The one switch for bitwise reproducibility: while it is on, "auto" runs XLA (lax
+  itself) for every floating-point (and complex) dtype, whatever a tuning table says, so
+  its results are bitwise those of lax. Integer and boolean collectives are exact on every
+  implementation, and keep their measured choice.
+
+  A context manager: ``with tc.bitwise_as_lax(): ...`` for the functions traced inside it
+  (jit caches traces per setting). For a whole program, set the environment variable
+  ``TORUS_COLLECTIVES_BITWISE=1`` before jax is imported, or call
+  ``jax.config.update("torus_collectives_bitwise", True)``.
+  """
+  return _BITWISE(bool(enabled))
+
+
+def bitwise_requested() -> bool:
+  """Whether ``bitwise_as_lax`` is on here."""
+  return bool(_BITWISE.value)
+
+
+def _keep_on_xla(dtype) -> bool:
+  return bitwise_requested() and jnp.issubdtype(jnp.dtype(dtype), jnp.inexact)
+
+
+def unit_roundoff(dtype) -> float:
+  """``u``, half the machine epsilon of a floating dtype: the largest relative error of
+  one rounding to nearest (bfloat16: 2**-8, float32: 2**-24); 0 for exact dtypes."""
+  dtype = jnp.dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.inexact):
+    return 0.0
+  return float(jnp.finfo(dtype).eps) / 2
+
+
+def auto_rounding_bound(op: str, dtype, group_size: int) -> float:
+  """The coefficient ``c`` of the bound "auto" keeps against lax where a measured table
+  picks a torus implementation: for each element, ``|auto - lax| <= c * sum_i |x_i|``,
+  the sum over the ``group_size`` (p) devices' inputs of that element.
+
+  Derivation. Every implementation computes an element of a sum as p - 1 additions of
+  partial sums in some order (lax's order, or the torus schedule's), each rounded at most
+  once to a format of unit roundoff ``u`` or finer, where ``u`` is the input dtype's
+  (``unit_roundoff``): the torus implementations keep bfloat16 and float16 partial sums in
+  float32 and round to the input dtype to send them on, which is one rounding to ``u``
+  and one to float32's, both within ``(1 + u_eff) = (1 + u)(1 + u_f32)``. By the standard
+  bound (Higham, Accuracy and Stability of Numerical Algorithms, 4.2) each computed sum
+  is within ``gamma(p - 1) * sum|x_i|`` of the exact one, ``gamma(k) = k u_eff / (1 - k
+  u_eff)``, so two of them differ by at most ``2 gamma(p - 1) * sum|x_i|``, about
+  ``(p - 1) * eps * sum|x_i|``.
+
+  * ``all_reduce``, ``psum``, ``reduce_scatter``, ``psum_scatter``:
+    ``2 gamma(p - 1)``.
+  * ``pmean``: the sum divided by p, one more rounding: ``2 gamma(p) / p``.
+  * ``all_gather``: 0 (it moves bits, it adds nothing).
+  * integer and boolean dtypes: 0 (their sums are exact, wrapping as lax's do).
+  """
+  u = unit_roundoff(dtype)
+  if op == "all_gather" or u == 0.0:
+    return 0.0
+  u32 = unit_roundoff(jnp.float32)
+  u_eff = u if jnp.dtype(dtype).itemsize >= 4 else (1 + u) * (1 + u32) - 1
+  p = int(group_size)
+
+  def gamma(k: int) -> float:
+    if k * u_eff >= 1:
+      return math.inf
+    return k * u_eff / (1 - k * u_eff)
+
+  if op == "pmean":
+    return 2 * gamma(p) / p
+  if op in ("all_reduce", "psum", "reduce_scatter", "psum_scatter", "all_reduce_gradients"):
+    return 2 * gamma(p - 1)
+  raise ValueError(f"no rounding bound for {op=}")
+
+
 def auto_implementation(
   op: str = "all_reduce",
   dtype=jnp.float32,
@@ -109,14 +199,27 @@ def auto_implementation(
   """The implementation "auto" picks for ``op`` on ``nbytes`` of ``dtype`` over a torus of
   axis sizes ``torus`` (batch norm: the group's tile), on the traced-for device.
 
-  XLA unless the tuner measured something faster for this (device kind, topology, op,
-  dtype, size): see ``tuning``. Without ``nbytes`` nothing can be looked up: XLA. Batch
-  norm: always XLA.
+  XLA unless a tuning table holds a measurement for this (device kind, topology, op,
+  dtype, size) that picked a torus implementation (see ``tuning`` for the rule). Without
+  ``nbytes`` nothing can be looked up: XLA. Batch norm: always XLA. Floating dtypes while
+  ``bitwise_as_lax`` is on: XLA.
+
+  What "auto" promises:
+
+  * where it runs XLA, its result is lax's, bitwise: it calls lax with the arguments as
+    given;
+  * where a table picks a torus implementation, that implementation beat XLA in the
+    table's measurements by the rule of ``tuning``, and its result is lax's within
+    rounding: ``|auto - lax| <= auto_rounding_bound(op, dtype, p) * sum_i |x_i|`` per
+    element (about ``(p - 1) * eps * sum_i |x_i|``); bitwise for all-gathers and for
+    integer and boolean dtypes.
   """
   if op not in TUNED_OPS:
     raise ValueError(f"unknown {op=}: one of {TUNED_OPS}")
   device_kind = platform.target_device().device_kind
   if nbytes is None or len(torus) > MAX_TORUS_AXES or len(candidates(op, dtype, device_kind)) < 2:
+    return "xla"
+  if _keep_on_xla(dtype):
     return "xla"
   if op == "batch_norm":
     # The tuner times batch norm alone, where the kernels win (0.34-0.73x XLA's
@@ -267,6 +370,8 @@ def resolve_collective(implementation: str, request: CollectiveRequest) -> str:
   if implementation == "xla":
     return "xla"
   if implementation == "auto":
+    if any(_keep_on_xla(d) for d in request.dtypes):
+      return "xla"
     dtype = request.dtypes[0] if request.dtypes else jnp.float32
     choice = auto_implementation(request.op, dtype, nbytes=request.nbytes, torus=request.torus)
     return "xla" if choice == "xla" or unsupported(choice, request) else choice

@@ -18,7 +18,7 @@ different moments of the machine: a benchmark whose two rows run the same progra
    (the ratio survives), and a few outlier rounds do not move the median.
 
 The decision rule on top of it (``tuning.decide``) then asks a candidate to beat the
-baseline by a stated margin.
+baseline with confidence (a bootstrap interval of that median), in more than one process.
 
 Timers are injectable (``timer(name, call) -> seconds``), so the decision logic can be
 tested with fake timings and several processes can be fed disagreeing ones.
@@ -88,10 +88,13 @@ class Interleaved:
     """Median seconds of one call of ``name``."""
     return statistics.median(self.times[name])
 
+  def round_ratios(self, name: str, baseline: str) -> list[float]:
+    """``t_name / t_baseline`` of every round, in order."""
+    return [t / max(b, 1e-12) for t, b in zip(self.times[name], self.times[baseline])]
+
   def ratio(self, name: str, baseline: str) -> float:
     """Median over rounds of ``t_name / t_baseline``: above 1 when ``name`` is slower."""
-    pairs = zip(self.times[name], self.times[baseline])
-    return statistics.median(t / max(b, 1e-12) for t, b in pairs)
+    return statistics.median(self.round_ratios(name, baseline))
 
   def ratios(self, baseline: str) -> dict[str, float]:
     """``ratio(name, baseline)`` for every candidate other than ``baseline``."""

@@ -1,22 +1,34 @@
 """The tuner: times every implementation "auto" could pick, here, and writes the table.
 
   python -m torus_collectives.tune [--mesh 2x4] [--sizes 1MiB,4MiB,16MiB]
-      [--dtypes float32,bfloat16] [--rounds 15] [--output PATH]
+      [--dtypes float32,bfloat16] [--rounds 25] [--runs 2] [--output PATH]
+  python -m torus_collectives.tune --validate TABLE [--write [PATH]]
 
 For each op (all_reduce, reduce_scatter, all_gather, the gradient summation of a pytree,
 batch norm), dtype and size on the current mesh, the concrete implementations that run here
-(``registry.candidates``) are timed against XLA with ``timing.Interleaved``, and
-``tuning.decide`` turns the median per-round ratios into a choice. Cases where only XLA
-runs, or below the latency floor where "auto" is XLA by rule, are not timed. Batch norm is
-timed alone and reported, for callers choosing ``implementation="pallas"`` where it stands
-alone; "auto" keeps XLA for it whatever the ratio (``registry.auto_implementation``). The
-result is a ``tuning.Table``: written to the user cache (or ``--output``), installed for
-this process (``tuning.use_table``) and printed.
+(``registry.candidates``) are timed against XLA with ``timing.Interleaved``, which gives
+per-round time ratios. One such tuning of every case is a *run*; the command line times
+``--runs`` (``tuning.MIN_RUNS``) runs, each in a fresh subprocess, into the same table, and
+``tuning.decide`` picks a torus implementation only if it beats XLA with confidence in
+every one of them (the rule: ``tuning``). Cases where only XLA runs, or below the latency
+floor where "auto" is XLA by rule, are not timed. Batch norm is timed alone and reported,
+for callers choosing ``implementation="pallas"`` where it stands alone; "auto" keeps XLA
+for it whatever the ratio (``registry.auto_implementation``). The result is a
+``tuning.Table``: written to the user cache (or ``--output``) and printed.
 
-Several processes: run the same command on every process (as any multi-controller JAX
-program). Each process executes the same programs in the same order; the ratios measured
-on process 0 are broadcast and every process decides from them, so all processes hold the
-same table and compile the same programs.
+``--validate TABLE`` re-measures every entry of a table (``--runs`` fresh runs, each in a
+fresh subprocess) and reports, per entry, whether it still holds (``tuning.holds``);
+``--write`` then writes the table (to TABLE, or to PATH) with each entry that no longer
+holds replaced by what the rule makes of the fresh runs: XLA, unless another candidate
+passed them all. (Deleting the entry instead would let the next smaller measured size's
+choice cover its size.)
+
+In a program, ``tune_cases`` (and ``tune``, ``tune_for``) add one run, in this process, to
+what the output file already holds, and install the result for this process. Several
+processes: run the same call on every process (as any multi-controller JAX program). Each
+process executes the same programs in the same order; process 0 merges its timings with
+its file, and its table is broadcast, so all processes hold, write and install the same
+table and compile the same programs.
 """
 
 from __future__ import annotations
@@ -27,7 +39,9 @@ import math
 import os
 import pathlib
 import platform as host_platform
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,10 +62,8 @@ from torus_collectives.topology import make_torus_mesh, most_square_shape
 MiB = 2**20
 DEFAULT_SIZES = (MiB, 4 * MiB, 16 * MiB)
 DEFAULT_DTYPES = ("float32", "bfloat16")
-DEFAULT_ROUNDS = 15
+DEFAULT_ROUNDS = 25
 COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather")
-# Every name a ratio can be reported for, in a fixed order (the broadcast's columns).
-_NAMES = tuple(n for n in registry.IMPLEMENTATIONS if n not in ("auto", tuning.BASELINE))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,8 +199,9 @@ def measure(
   rounds: int = DEFAULT_ROUNDS,
   timer: timing.Timer | None = None,
   progress: Callable[[str], None] | None = print,
-) -> list[tuple[Case, dict[str, float]]]:
-  """Times the candidates of every case; returns (case, ratios to XLA) for those timed.
+) -> list[tuple[Case, dict[str, list[float]]]]:
+  """Times the candidates of every case; returns, for those timed, (case, per-round time
+  ratios to XLA per candidate).
 
   Every process must call this with the same cases: the collectives span all of them.
   """
@@ -204,23 +217,24 @@ def measure(
       continue
     start = time.perf_counter()
     runs = timing.Interleaved({n: case.build(n) for n in names}, timer).run(rounds)
-    ratios = runs.ratios(tuning.BASELINE)
-    text = ", ".join(f"{n} {r:.2f}x" for n, r in ratios.items())
+    ratios = {n: runs.round_ratios(n, tuning.BASELINE) for n in names if n != tuning.BASELINE}
+    text = ", ".join(
+      f"{n} {np.median(r):.2f}x (CI high {tuning.ci_high(r):.3f})" for n, r in ratios.items()
+    )
     say(f"{prefix}: {text} ({time.perf_counter() - start:.1f} s)")
     out.append((case, ratios))
   return out
 
 
-def agree(measured: list[tuple[Case, dict[str, float]]]) -> list[tuple[Case, dict[str, float]]]:
-  """Process 0's ratios, on every process: the one set the decision is made from."""
-  if jax.process_count() == 1 or not measured:
-    return measured
-  local = np.array([[r.get(n, np.nan) for n in _NAMES] for _, r in measured], np.float64)
-  shared = np.asarray(multihost_utils.broadcast_one_to_all(local))
-  return [
-    (case, {n: float(v) for n, v in zip(_NAMES, row) if not np.isnan(v)})
-    for (case, _), row in zip(measured, shared)
-  ]
+def _from_process_0(table: tuning.Table) -> tuning.Table:
+  """Process 0's table, on every process: the one table all of them decide from."""
+  if jax.process_count() == 1:
+    return table
+  data = np.frombuffer(table.to_json().encode(), np.uint8).astype(np.int32)
+  size = int(multihost_utils.broadcast_one_to_all(np.array(data.size, np.int32)))
+  buffer = data if jax.process_index() == 0 else np.zeros(size, np.int32)
+  shared = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+  return tuning.Table.from_json(shared.astype(np.uint8).tobytes().decode())
 
 
 def _machine() -> str:
@@ -232,56 +246,60 @@ def _machine() -> str:
   )
 
 
+def _read_table(path: str | os.PathLike) -> tuning.Table | None:
+  try:
+    return tuning.Table.from_json(pathlib.Path(path).read_text())
+  except (OSError, ValueError):
+    return None
+
+
 def tune_cases(
   cases: Sequence[Case],
   *,
   rounds: int = DEFAULT_ROUNDS,
-  margin: float = tuning.MARGIN,
   timer: timing.Timer | None = None,
   output: str | None = None,
   install: bool = True,
   progress: Callable[[str], None] | None = print,
 ) -> tuning.Table:
-  """Measures ``cases``, decides on process 0's ratios, and returns the table.
+  """Measures ``cases`` once (one run, in this process), adds the run to the table at
+  ``output`` and returns the entries of ``cases``, decided by the rule of ``tuning``.
 
-  ``output``: where to write it (merged with the entries already there that it does not
-  remeasure); "" writes nothing; None: the user cache (``tuning.cache_path()``).
-  ``install``: make it (the measured entries alone, the same on every process) the table
-  "auto" reads first in this process.
+  An entry needs ``tuning.MIN_RUNS`` runs from different processes to pick anything but
+  XLA: the run of this call, and those ``output`` already holds for the same case.
+  ``output``: the table to add to and write; "" reads and writes nothing (one run: every
+  choice is XLA); None: the user cache (``tuning.cache_path()``). With several processes,
+  process 0's file and timings decide, and every process writes that table.
+  ``install``: make the returned entries the table "auto" reads first in this process.
   """
-  measured = agree(measure(cases, rounds=rounds, timer=timer, progress=progress))
-  entries = [
-    tuning.Entry(
-      topology=tuning.topology(case.torus),
-      op=case.op,
-      dtype=case.dtype,
-      bucket=tuning.size_bucket(case.nbytes),
-      choice=tuning.decide(ratios, margin),
-      ratios={n: round(r, 4) for n, r in ratios.items()},
-      rounds=rounds,
-    )
-    for case, ratios in measured
-  ]
-  table = tuning.Table(
+  measured = measure(cases, rounds=rounds, timer=timer, progress=progress)
+  fresh = tuning.Table(
     device_kind=jax.devices()[0].device_kind,
     machine=_machine(),
     created=tuning.now(),
-    entries=entries,
-    margin=margin,
+    entries=[
+      tuning.Entry.from_runs(
+        tuning.topology(case.torus),
+        case.op,
+        case.dtype,
+        tuning.size_bucket(case.nbytes),
+        [tuning.Run.of(ratios)],
+      )
+      for case, ratios in measured
+    ],
   )
-  if output != "":
-    path = tuning.cache_path() if output is None else output
-    previous = None
-    try:
-      previous = tuning.Table.from_json(pathlib.Path(path).read_text())
-    except (OSError, ValueError):
-      pass
-    table.merged_into(previous).save(path)
+  path = None if output == "" else (tuning.cache_path() if output is None else output)
+  table = fresh if path is None else fresh.merged_into(_read_table(path))
+  table = _from_process_0(table)
+  if path is not None:
+    table.save(path)
     if progress is not None and jax.process_index() == 0:
       progress(f"wrote {path}")
-  if install:  # what every process agreed on, not a merge with its own file
-    tuning.use_table(table)
-  return table
+  keys = {e.key for e in fresh.entries}
+  mine = dataclasses.replace(table, entries=[e for e in table.entries if e.key in keys])
+  if install:
+    tuning.use_table(mine)
+  return mine
 
 
 def _mesh(mesh: Mesh | None) -> Mesh:
@@ -342,6 +360,93 @@ def auto_choice(case: Case, mesh: Mesh) -> str:
 
 
 # ----------------------------------------------------------------------------------------
+# Validation: does a table still hold?
+
+
+def entry_case(mesh: Mesh, entry: tuning.Entry) -> Case | None:
+  """The case that re-measures ``entry`` on ``mesh`` (at the top of its size bucket,
+  ``2**bucket`` bytes; a gradient tree as ``synthetic_gradients`` of that size), or None
+  for batch norm, whose activation shape a table does not record ("auto" never runs its
+  measurement anyway)."""
+  nbytes = 2**entry.bucket
+  if entry.op in COLLECTIVE_OPS:
+    return collective_case(mesh, entry.op, entry.dtype, nbytes)
+  if entry.op == "all_reduce_gradients":
+    return gradients_case(mesh, synthetic_gradients(nbytes, entry.dtype))
+  return None
+
+
+def validation_cases(table: tuning.Table) -> dict[tuple, Case]:
+  """``entry_case`` of every entry that can be re-measured here, by entry key."""
+  out = {}
+  for entry in table.entries:
+    shape = tuple(int(n) for n in entry.topology.split("x"))
+    if math.prod(shape) != jax.device_count():
+      continue
+    case = entry_case(make_torus_mesh(shape), entry)
+    if case is not None:
+      out[entry.key] = case
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+  """What re-measuring one entry found: ``holds`` is None when it was not re-measured."""
+
+  entry: tuning.Entry
+  fresh: list[tuning.Run]
+  holds: bool | None
+  note: str
+
+  def line(self) -> str:
+    e = self.entry
+    head = f"{e.topology} {e.op} {e.dtype} {tuning.size_label(2**e.bucket)}: {e.choice}"
+    if self.holds is None:
+      return f"{head}: not re-measured ({self.note})"
+    figures = "; ".join(
+      f"{n} " + ", ".join(f"{r.median[n]:.2f} [{r.ci_high[n]:.3f}]" for r in self.fresh)
+      for n in sorted({n for r in self.fresh for n in r.median})
+    )
+    verdict = "holds" if self.holds else "NO LONGER HOLDS"
+    return f"{head}: {verdict} (fresh runs, median [CI high]: {figures}){self.note}"
+
+
+def validate(table: tuning.Table, fresh: Sequence[tuning.Table]) -> list[Verdict]:
+  """Judges every entry of ``table`` on the runs of the same case in ``fresh`` (tables of
+  re-measurements, one run each, from different processes)."""
+  verdicts = []
+  for entry in table.entries:
+    runs = [r for t in fresh for e in t.entries if e.key == entry.key for r in e.runs]
+    if not runs:
+      why = (
+        "batch norm: its shape is not recorded"
+        if entry.op == "batch_norm"
+        else (f"needs {entry.topology} on this device count, or was not timed")
+      )
+      verdicts.append(Verdict(entry, [], None, why))
+      continue
+    ok = tuning.holds(entry, runs)
+    note = ""
+    if len(tuning.kept_runs(runs)) < tuning.MIN_RUNS:
+      note = f"; only {len(runs)} fresh run(s), the rule needs {tuning.MIN_RUNS}"
+    elif entry.choice == tuning.BASELINE and tuning.passing(runs):
+      note = f"; {', '.join(tuning.passing(runs))} now passes: tune again to use it"
+    verdicts.append(Verdict(entry, runs, ok, note))
+  return verdicts
+
+
+def without_failures(table: tuning.Table, verdicts: Sequence[Verdict]) -> tuning.Table:
+  """``table`` with each entry that no longer holds replaced by the rule's entry of its
+  fresh runs."""
+  failed = {v.entry.key: v for v in verdicts if v.holds is False}
+  entries = [
+    tuning.Entry.from_runs(*e.key, failed[e.key].fresh) if e.key in failed else e
+    for e in table.entries
+  ]
+  return dataclasses.replace(table, entries=entries)
+
+
+# ----------------------------------------------------------------------------------------
 # Command line.
 
 
@@ -353,7 +458,7 @@ def _parse_size(text: str) -> int:
   return int(text)
 
 
-def main(argv: Sequence[str] | None = None) -> tuning.Table:
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--mesh", help="torus shape, e.g. 2x4 (default: most square)")
   parser.add_argument(
@@ -374,29 +479,124 @@ def main(argv: Sequence[str] | None = None) -> tuning.Table:
     help="per-replica NHWC activations to tune batch norm on (empty: none)",
   )
   parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS)
-  parser.add_argument("--margin", type=float, default=tuning.MARGIN)
-  parser.add_argument("--output", help=f"table path (default: {tuning.cache_path()})")
-  args = parser.parse_args(argv)
-  split = lambda text: [t for t in text.split(",") if t]
-  mesh = _mesh(make_torus_mesh(tuple(int(n) for n in args.mesh.split("x"))) if args.mesh else None)
-  dtypes = split(args.dtypes)
-  start = time.perf_counter()
-  table = tune(
-    mesh,
-    sizes=[_parse_size(s) for s in split(args.sizes)],
-    dtypes=dtypes,
-    ops=split(args.ops),
-    gradient_trees=[
-      synthetic_gradients(_parse_size(s), d) for s in split(args.gradient_sizes) for d in dtypes
-    ],
-    batch_norm_shapes=[tuple(map(int, s.split("x"))) for s in split(args.batch_norm_shapes)],
-    rounds=args.rounds,
-    margin=args.margin,
-    output=args.output,
+  parser.add_argument(
+    "--runs",
+    type=int,
+    default=tuning.MIN_RUNS,
+    help=f"timing runs, each in a fresh subprocess (1: once, in this process; the rule "
+    f"needs {tuning.MIN_RUNS} from different processes)",
   )
-  if jax.process_index() == 0:
-    print(tuning.format_table(table))
-    print(f"tuned in {time.perf_counter() - start:.0f} s")
+  parser.add_argument("--output", help=f"table path (default: {tuning.cache_path()})")
+  parser.add_argument(
+    "--validate", metavar="TABLE", help="re-measure every entry of TABLE and report"
+  )
+  parser.add_argument(
+    "--write",
+    nargs="?",
+    const="",
+    metavar="PATH",
+    help="with --validate: write the table (to TABLE, or PATH) with the entries that no "
+    "longer hold replaced by the rule's entries of the fresh runs",
+  )
+  parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  return parser
+
+
+def _child_argv(args: argparse.Namespace, output: str) -> list[str]:
+  """The arguments of one fresh-process run of ``args``."""
+  argv = [
+    f"--sizes={args.sizes}",
+    f"--dtypes={args.dtypes}",
+    f"--ops={args.ops}",
+    f"--gradient-sizes={args.gradient_sizes}",
+    f"--batch-norm-shapes={args.batch_norm_shapes}",
+    f"--rounds={args.rounds}",
+    "--runs=1",
+    f"--output={output}",
+    "--child",
+  ]
+  if args.mesh:
+    argv.append(f"--mesh={args.mesh}")
+  if args.validate:
+    argv.append(f"--validate={args.validate}")
+  return argv
+
+
+def _in_fresh_processes(args: argparse.Namespace, outputs: Sequence[str]) -> None:
+  for i, output in enumerate(outputs, 1):
+    print(f"run {i} of {len(outputs)}, in a fresh process", flush=True)
+    command = [sys.executable, "-m", "torus_collectives.tune", *_child_argv(args, output)]
+    subprocess.run(command, check=True)
+
+
+def _validate_main(args: argparse.Namespace) -> tuning.Table:
+  table = tuning.Table.from_json(pathlib.Path(args.validate).read_text())
+  if args.runs > 1:
+    with tempfile.TemporaryDirectory() as tmp:
+      outputs = [str(pathlib.Path(tmp) / f"run{i}.json") for i in range(args.runs)]
+      _in_fresh_processes(args, outputs)
+      fresh = [t for t in map(_read_table, outputs) if t is not None]
+  else:
+    kind = jax.devices()[0].device_kind
+    if table.device_kind != kind:
+      raise SystemExit(f"{args.validate} was measured on {table.device_kind!r}, this is {kind!r}")
+    cases = list(validation_cases(table).values())
+    output = args.output if args.child else ""
+    fresh = [tune_cases(cases, rounds=args.rounds, output=output, install=False)]
+    if args.child:
+      return fresh[0]
+  verdicts = validate(table, fresh)
+  for v in verdicts:
+    print(v.line())
+  failed = sum(v.holds is False for v in verdicts)
+  print(f"{failed} of {len(verdicts)} entries no longer hold")
+  if args.write is not None:
+    path = args.write or args.validate
+    kept = without_failures(table, verdicts)
+    kept.save(path)
+    print(f"wrote {path}")
+    print(tuning.format_table(kept))
+    return kept
+  return table
+
+
+def main(argv: Sequence[str] | None = None) -> tuning.Table:
+  args = _parser().parse_args(argv)
+  if args.runs < 1 or args.rounds < 1:
+    raise SystemExit(f"--runs and --rounds must be positive, got {args.runs}, {args.rounds}")
+  if args.rounds < tuning.MIN_ROUNDS and not args.child:
+    print(
+      f"note: a run of fewer than {tuning.MIN_ROUNDS} rounds passes nothing: every choice is xla"
+    )
+  start = time.perf_counter()
+  if args.validate:
+    table = _validate_main(args)
+  elif args.runs > 1:
+    path = args.output or str(tuning.cache_path())
+    _in_fresh_processes(args, [path] * args.runs)
+    table = tuning.Table.from_json(pathlib.Path(path).read_text())
+  else:
+    split = lambda text: [t for t in text.split(",") if t]
+    mesh = _mesh(
+      make_torus_mesh(tuple(int(n) for n in args.mesh.split("x"))) if args.mesh else None
+    )
+    dtypes = split(args.dtypes)
+    table = tune(
+      mesh,
+      sizes=[_parse_size(s) for s in split(args.sizes)],
+      dtypes=dtypes,
+      ops=split(args.ops),
+      gradient_trees=[
+        synthetic_gradients(_parse_size(s), d) for s in split(args.gradient_sizes) for d in dtypes
+      ],
+      batch_norm_shapes=[tuple(map(int, s.split("x"))) for s in split(args.batch_norm_shapes)],
+      rounds=args.rounds,
+      output=args.output,
+    )
+  if not args.child and jax.process_index() == 0:
+    if not args.validate:
+      print(tuning.format_table(table))
+    print(f"done in {time.perf_counter() - start:.0f} s")
   return table
 
 

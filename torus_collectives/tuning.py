@@ -21,10 +21,38 @@ Several processes must read the same table, or they would compile different prog
 ``tune`` decides on process 0's timings and installs the result on every process; a file
 passed to ``use_table`` must be the same file everywhere.
 
-The decision rule (``decide``): a candidate replaces XLA only if the median over rounds of
-its per-round time ratio to XLA is at most ``1 - margin`` (default 5 %); ties and noise
-stay with XLA. A table that cannot be read, was written by another table format or package
-version, or was measured on another device kind is ignored with a warning.
+The decision rule (``decide``), and what it assumes. XLA is the default; a torus
+implementation replaces it only if it beats XLA with confidence, in more than one process:
+
+* One *run* is one tuning of one case in one process: ``timing.Interleaved`` gives
+  ``rounds`` per-round time ratios ``t_candidate / t_xla``. A candidate *passes* a run if
+  the upper end of the two-sided bootstrap ``CONFIDENCE`` (95 %) interval of the median of
+  those ratios is at most ``THRESHOLD`` (0.95): ``BOOTSTRAP_RESAMPLES`` resamples drawn by
+  numpy with the fixed seed ``BOOTSTRAP_SEED``, so one set of ratios always gives one
+  bound. A run of fewer than ``MIN_ROUNDS`` rounds, or with a ratio that is not a finite
+  number, passes nothing.
+* An entry keeps its newest ``MIN_RUNS`` (2) runs, each from a different process (the
+  tuner records its process's random id, ``PROCESS``; a newer run from the same process
+  replaces the older). The choice is the candidate that passes *every* kept run, with the
+  lowest worst-case bound; with fewer than ``MIN_RUNS`` runs, or no candidate passing all,
+  XLA. ``python -m torus_collectives.tune`` therefore times in ``MIN_RUNS`` fresh
+  subprocesses; a tuning call inside a program (``tune.tune_cases``) adds one run to what
+  its output file already holds, so it takes a second process to confirm a choice.
+* Why two processes: the bootstrap interval accounts for noise between rounds of one run,
+  not for what stays fixed within a process (memory layout, thread placement, what else
+  the machine runs for minutes). On 8 simulated CPU devices one run put shard_map's bf16
+  all-gather of 16 MiB at 0.77x XLA's time; five later runs, each in its own process,
+  put its median at 1.56x, 1.22x, 1.50x, 1.07x and 0.99x.
+* Assumptions: rounds of a run are exchangeable (the random order of ``timing`` serves
+  this), and what a candidate gains over XLA holds for the sizes of its bucket and up to
+  the next measured one (``lookup``). ``python -m torus_collectives.tune --validate TABLE``
+  re-measures a table and reports whether each entry still holds (``holds``).
+
+What is skipped, and how loudly: a table that cannot be read, or was written by another
+table format or package version, is ignored with a ``TuningTableWarning``; so is a table
+passed to ``use_table`` or in the user cache that was measured on another device kind.
+The shipped tables for other device kinds are skipped silently, by design: the package
+ships tables for several kinds, and all but one never apply.
 """
 
 from __future__ import annotations
@@ -39,16 +67,27 @@ import math
 import os
 import pathlib
 import tempfile
+import uuid
 import warnings
 from collections.abc import Mapping, Sequence
 
 import jax.numpy as jnp
+import numpy as np
 
 from torus_collectives import cost_model
 from torus_collectives import schedule as schedule_lib
 
-FORMAT = 1
-MARGIN = 0.05
+FORMAT = 2
+# The rule (see the module docstring): a torus implementation replaces XLA only if, in each
+# of MIN_RUNS runs from different processes, the upper end of the bootstrap CONFIDENCE
+# interval of its median per-round time ratio to XLA is at most THRESHOLD.
+THRESHOLD = 0.95
+MIN_RUNS = 2
+CONFIDENCE = 0.95
+MIN_ROUNDS = 10
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+PROCESS = uuid.uuid4().hex[:16]  # this process's id in the runs it records
 ENV_VAR = "TORUS_COLLECTIVES_TUNING"
 SHIPPED_DIR = pathlib.Path(__file__).with_name("tuned")
 BASELINE = "xla"
@@ -90,19 +129,89 @@ def size_bucket(nbytes: int) -> int:
 # The decision rule.
 
 
-def decide(ratios: Mapping[str, float], margin: float = MARGIN) -> str:
-  """The implementation to run given each candidate's median time ratio to XLA.
+def ci_high(ratios: Sequence[float]) -> float:
+  """Upper end of the two-sided bootstrap ``CONFIDENCE`` interval of the median of
+  ``ratios`` (percentile bootstrap, ``BOOTSTRAP_RESAMPLES`` resamples, seed
+  ``BOOTSTRAP_SEED``: deterministic). Infinite for no ratios or any non-finite one."""
+  r = np.asarray(ratios, np.float64)
+  if r.size == 0 or not np.all(np.isfinite(r)):
+    return math.inf
+  rng = np.random.default_rng(BOOTSTRAP_SEED)
+  medians = np.median(r[rng.integers(0, r.size, (BOOTSTRAP_RESAMPLES, r.size))], axis=1)
+  return float(np.quantile(medians, 1 - (1 - CONFIDENCE) / 2))
 
-  The fastest candidate wins only if it beats XLA by at least ``margin``; otherwise (ties,
-  noise, no candidate, or a ratio that is not a number) XLA.
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One run of one case in one process: what a decision rests on.
+
+  Attributes:
+    process: the id of the process that measured it (``PROCESS`` there).
+    created: when.
+    rounds: timed rounds.
+    ratios: per candidate, the per-round time ratios to XLA, in round order.
+    median: per candidate, the median of ``ratios``.
+    ci_high: per candidate, ``ci_high(ratios)``: what the rule compares to ``THRESHOLD``.
   """
-  if not 0 <= margin < 1:
-    raise ValueError(f"{margin=} must be in [0, 1)")
-  finite = {k: v for k, v in ratios.items() if k != BASELINE and math.isfinite(v)}
-  if not finite:
-    return BASELINE
-  best = min(finite, key=finite.get)
-  return best if finite[best] <= 1 - margin else BASELINE
+
+  process: str
+  created: str
+  rounds: int
+  ratios: dict[str, list[float]]
+  median: dict[str, float]
+  ci_high: dict[str, float]
+
+  @classmethod
+  def of(cls, ratios: Mapping[str, Sequence[float]], process: str | None = None) -> Run:
+    """The run of these per-round ratios, measured in ``process`` (default: this one)."""
+    ratios = {n: [float(v) for v in r] for n, r in ratios.items() if n != BASELINE}
+    rounds = min((len(r) for r in ratios.values()), default=0)
+    return cls(
+      process=PROCESS if process is None else process,
+      created=now(),
+      rounds=rounds,
+      ratios={n: [round(v, 4) for v in r] for n, r in ratios.items()},
+      median={n: round(float(np.median(r)), 4) if r else math.inf for n, r in ratios.items()},
+      ci_high={n: round(ci_high(r), 4) for n, r in ratios.items()},
+    )
+
+  def passes(self, name: str, threshold: float = THRESHOLD) -> bool:
+    """Whether ``name`` beats XLA with confidence in this run."""
+    bound = self.ci_high.get(name, math.inf)
+    return self.rounds >= MIN_ROUNDS and math.isfinite(bound) and bound <= threshold
+
+
+def kept_runs(runs: Sequence[Run]) -> list[Run]:
+  """The newest ``MIN_RUNS`` of ``runs`` (oldest first), one per process: a later run of a
+  process replaces its earlier one."""
+  latest: dict[str, Run] = {}
+  for run in runs:
+    latest.pop(run.process, None)
+    latest[run.process] = run
+  return list(latest.values())[-MIN_RUNS:]
+
+
+def passing(runs: Sequence[Run], threshold: float = THRESHOLD) -> dict[str, float]:
+  """The candidates that pass every one of at least ``MIN_RUNS`` runs from distinct
+  processes, each with its worst (largest) bound over them; empty if too few runs."""
+  runs = kept_runs(runs)
+  if len(runs) < MIN_RUNS:
+    return {}
+  names = set.intersection(*(set(r.ci_high) for r in runs)) - {BASELINE}
+  return {
+    n: max(r.ci_high[n] for r in runs)
+    for n in sorted(names)
+    if all(r.passes(n, threshold) for r in runs)
+  }
+
+
+def decide(runs: Sequence[Run], threshold: float = THRESHOLD) -> str:
+  """The implementation to run, by the rule of the module docstring: of the candidates
+  that pass every kept run, the one with the lowest worst-case bound; otherwise XLA."""
+  if not 0 < threshold < 1:
+    raise ValueError(f"{threshold=} must be in (0, 1)")
+  ok = passing(runs, threshold)
+  return min(ok, key=ok.get) if ok else BASELINE
 
 
 _GENERATIONS = (  # device_kind prefix -> cost-model generation
@@ -142,15 +251,48 @@ def latency_floor_bytes(torus: tuple[int, ...], device_kind: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-  """One measurement: the choice for an (op, dtype, size bucket) and the ratios behind it."""
+  """One measured case: the choice for an (op, dtype, size bucket) and the runs behind it.
+
+  ``ratios`` and ``rounds`` summarise ``runs`` for reading: per candidate the largest
+  per-run median ratio, and the fewest rounds of a run. The choice is ``decide(runs)``
+  when the tuner writes it (``from_runs``); a hand-made entry may carry no runs.
+  """
 
   topology: str
   op: str
   dtype: str
   bucket: int
   choice: str
-  ratios: dict[str, float]  # median per-round time ratio to XLA, per candidate
+  ratios: dict[str, float]  # per candidate, the largest per-run median time ratio to XLA
   rounds: int
+  runs: list[Run] = dataclasses.field(default_factory=list)
+
+  @property
+  def key(self) -> tuple[str, str, str, int]:
+    return (self.topology, self.op, self.dtype, self.bucket)
+
+  @classmethod
+  def from_runs(cls, topology: str, op: str, dtype: str, bucket: int, runs: Sequence[Run]) -> Entry:
+    """The entry the rule makes of ``runs`` (only the kept ones are recorded)."""
+    runs = kept_runs(runs)
+    names = sorted({n for r in runs for n in r.median})
+    return cls(
+      topology=topology,
+      op=op,
+      dtype=dtype,
+      bucket=bucket,
+      choice=decide(runs),
+      ratios={n: max(r.median.get(n, math.inf) for r in runs) for n in names},
+      rounds=min((r.rounds for r in runs), default=0),
+      runs=runs,
+    )
+
+
+def holds(entry: Entry, fresh: Sequence[Run]) -> bool:
+  """Whether ``entry``'s choice still holds on the ``fresh`` runs of its case: an XLA entry
+  always does (XLA is the reference "auto" promises not to lose to); a torus choice does
+  if it passes every one of at least ``MIN_RUNS`` fresh runs (``passing``)."""
+  return entry.choice == BASELINE or entry.choice in passing(fresh)
 
 
 @dataclasses.dataclass
@@ -161,7 +303,8 @@ class Table:
   machine: str
   created: str
   entries: list[Entry]
-  margin: float = MARGIN
+  threshold: float = THRESHOLD
+  min_runs: int = MIN_RUNS
   version: str = dataclasses.field(default_factory=package_version)
   format: int = FORMAT
 
@@ -183,7 +326,15 @@ class Table:
     """Parses a table; raises ValueError on anything malformed."""
     try:
       data = json.loads(text)
-      entries = [Entry(**e) for e in data.pop("entries")]
+      if data.get("format") != FORMAT:
+        raise ValueError(
+          f"not a tuning table of format {FORMAT} (its format: {data.get('format')}); "
+          f"run `{TUNE_COMMAND}` again"
+        )
+      entries = []
+      for e in data.pop("entries"):
+        runs = [Run(**r) for r in e.pop("runs", [])]
+        entries.append(Entry(**e, runs=runs))
       for e in entries:
         if not (isinstance(e.choice, str) and isinstance(e.bucket, int)):
           raise ValueError(f"malformed entry {e}")
@@ -201,12 +352,23 @@ class Table:
     return path
 
   def merged_into(self, older: Table | None) -> Table:
-    """This table plus the entries of ``older`` (same device kind) it does not remeasure."""
-    if older is None or older.device_kind != self.device_kind:
+    """This table plus ``older``'s entries (same device kind, format and rule): an entry
+    of both keeps the newest runs of the two (``kept_runs``) and is decided again; an
+    entry of ``older`` alone is kept as it is."""
+    if older is None or (older.device_kind, older.format, older.threshold, older.min_runs) != (
+      self.device_kind,
+      self.format,
+      self.threshold,
+      self.min_runs,
+    ):
       return self
-    mine = {(e.topology, e.op, e.dtype, e.bucket) for e in self.entries}
-    kept = [e for e in older.entries if (e.topology, e.op, e.dtype, e.bucket) not in mine]
-    return dataclasses.replace(self, entries=kept + self.entries)
+    old = {e.key: e for e in older.entries}
+    mine = {e.key for e in self.entries}
+    entries = [e for e in older.entries if e.key not in mine]
+    for e in self.entries:
+      runs = (old[e.key].runs if e.key in old else []) + e.runs
+      entries.append(Entry.from_runs(*e.key, runs))
+    return dataclasses.replace(self, entries=entries)
 
 
 def now() -> str:
@@ -214,26 +376,35 @@ def now() -> str:
 
 
 def format_table(table: Table) -> str:
-  """The table as markdown: one row per entry, with the ratios behind each choice."""
+  """The table as markdown: one row per entry, with what each choice rests on."""
   names = sorted({n for e in table.entries for n in e.ratios})
   lines = [
-    f"Tuned {table.created} on {table.machine} (device kind {table.device_kind!r}); "
-    f"choice = fastest candidate if its median per-round time ratio to xla <= "
-    f"{1 - table.margin:.2f}, else xla. A row holds from its size up to the next measured one.",
+    f"Tuned {table.created} on {table.machine} (device kind {table.device_kind!r}). "
+    f"Each cell: the median per-round time ratio to xla, and the upper end of its bootstrap "
+    f"{CONFIDENCE:.0%} interval, per run. auto = a candidate whose upper end is <= "
+    f"{table.threshold:.2f} in each of {table.min_runs} runs in different processes, else "
+    "xla. A row holds from its size up to the next measured one.",
     "",
     "| topology | op | dtype | size | "
-    + " | ".join(f"{n} t/t_xla" for n in names)
+    + " | ".join(f"{n} t/t_xla [CI high]" for n in names)
     + " | rounds | auto |",
     "|---" * (6 + len(names)) + "|",
   ]
-  for e in sorted(table.entries, key=lambda e: (e.topology, e.op, e.dtype, e.bucket)):
-    cells = [f"{e.ratios[n]:.2f}" if n in e.ratios else "-" for n in names]
+  for e in sorted(table.entries, key=lambda e: e.key):
+    cells = [_cell(e, n) for n in names]
     lines.append(
       f"| {e.topology} | {e.op} | {e.dtype} | {size_label(2**e.bucket)} | "
       + " | ".join(cells)
       + f" | {e.rounds} | {e.choice} |"
     )
   return "\n".join(lines)
+
+
+def _cell(entry: Entry, name: str) -> str:
+  if not entry.runs:
+    return f"{entry.ratios[name]:.2f}" if name in entry.ratios else "-"
+  parts = [f"{r.median[name]:.2f} [{r.ci_high[name]:.3f}]" for r in entry.runs if name in r.median]
+  return ", ".join(parts) or "-"
 
 
 def size_label(nbytes: int) -> str:
