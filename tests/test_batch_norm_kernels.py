@@ -3,6 +3,7 @@
 import math
 import re
 
+import aot_skip
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -339,7 +340,7 @@ AOT_CASES = [(t, 32, (56, 56, 64)) for t in TOPOLOGIES] + [
 @pytest.mark.aot
 @pytest.mark.parametrize("topology_name,per_replica_batch,hwc", AOT_CASES)
 def test_compiles_for_tpu(topology_name, per_replica_batch, hwc):
-  pytest.importorskip("libtpu")
+  pytest.importorskip("libtpu", reason=aot_skip.REASON)
   compiled = tpu_train_step(topology_name, per_replica_batch, hwc)
   assert "bn_backward_dx" in compiled.as_text()
 
@@ -372,7 +373,7 @@ def test_v5e_kernels_skip_relayouts_and_auto_is_xla(monkeypatch, shape):
   """Forward plus backward compiled for v5e: the "xla" path moves flax's bytes; on XLA's
   conv layout the Pallas path has no relayout around its kernels and moves at most XLA's
   bytes; "auto", even with a measurement that prefers Pallas everywhere, is XLA's."""
-  pytest.importorskip("libtpu")
+  pytest.importorskip("libtpu", reason=aot_skip.REASON)
   from jax.experimental import topologies
 
   from bench import batch_norm_report
@@ -405,7 +406,7 @@ def test_v5e_kernels_skip_relayouts_and_auto_is_xla(monkeypatch, shape):
 @pytest.mark.parametrize("topology_name", TOPOLOGIES)
 def test_local_kernels_compile_for_tpu(topology_name):
   """A group of one replica runs the fused kernels, x and dy resident in VMEM."""
-  pytest.importorskip("libtpu")
+  pytest.importorskip("libtpu", reason=aot_skip.REASON)
   compiled = tpu_train_step(topology_name, 8, (14, 14, 256), group_size=1)
   text = compiled.as_text()
   assert "bn_local_forward" in text and "bn_local_backward" in text and "bn_stats" not in text
