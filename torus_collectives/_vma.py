@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import jax
 from jax._src import config as _config
-from jax.extend.core import Primitive
+from jax._src.core import Primitive  # not jax.extend: its __init__ loads Pallas
 from jax.interpreters import batching, mlir
 
 AxisNames = tuple[str, ...]

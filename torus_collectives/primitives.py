@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core as jax_core
-from jax.extend.core import Primitive
+from jax._src.core import Primitive  # not jax.extend: its __init__ loads Pallas
 from jax.interpreters import ad, batching, mlir
 
 from torus_collectives import platform, registry
