@@ -8,6 +8,7 @@ writes, next to the JSON:
   throughput.png          items/s of the other benchmarks (batch norm, input pipeline,
                           training step), where the JSON has them
   cost_model_time_vs_p.png  the modelled pod-scale all-reduce (not measured)
+  cost_model_time_vs_p_3d.png  the same for the 3-D tori alone (v4, v5p)
   latest.md               the tables, with the date and the machine
 """
 
@@ -211,6 +212,8 @@ def main(argv: list[str]) -> None:
     )
   plot_throughput(benchmarks, out / "throughput.png")
   cost_model.plot_time_vs_p(str(out / "cost_model_time_vs_p.png"))
+  three_d = sorted({name for name, torus in cost_model.PODS if len(torus) == 3})
+  cost_model.plot_time_vs_p(str(out / "cost_model_time_vs_p_3d.png"), generations=three_d)
   (out / "latest.md").write_text(markdown(data))
   print((out / "latest.md").read_text())
 

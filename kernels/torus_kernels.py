@@ -46,7 +46,8 @@ chunk (the chunks of a slab are not contiguous in the buffer):
 
 The streams of a step run concurrently: all their DMAs are started before any is waited on,
 so on the 2-D split schedule the +x, -x, +y and -y links of a chip carry traffic together
-(and all six links on the 3-D one).
+(and all six links on the 3-D one), in every step where the axes have equal sizes (see
+``torus_collectives.schedule``).
 
 Synchronisation:
 

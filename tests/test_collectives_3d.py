@@ -3,13 +3,16 @@
 2x2x2 runs in this process (8 devices); 2x2x4, which needs 16, re-runs this file in a
 subprocess. Every order of the three axes is checked exactly on small integers; floats are
 checked against a float64 reference with a bound on the rounding error, and gradients
-against lax's.
+against lax's. On 2x2x4 the collectives also run over replica groups that tile part of an
+axis (rings over 2 of the 4 devices along z), against lax's ``axis_index_groups``.
 """
 
+import functools
 import itertools
 import math
 import os
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -169,6 +172,54 @@ def test_batch_norm_over_3d_tiles(group_size, tile):
     np.testing.assert_allclose(np.asarray(y[d]).reshape(6, 4), want, rtol=1e-5, atol=1e-5)
 
 
+def tile_groups(sizes, tile):
+  """The replica groups of the aligned ``tile`` boxes of a mesh of ``sizes``: linear device
+  indices (row-major over the axes), each group listed row-major within its box."""
+  grid = np.arange(math.prod(sizes)).reshape(sizes)
+  corners = itertools.product(*(range(0, n, t) for n, t in zip(sizes, tile)))
+  return [
+    grid[tuple(slice(c, c + t) for c, t in zip(corner, tile))].reshape(-1).tolist()
+    for corner in corners
+  ]
+
+
+def check_tile_groups(mesh_name, axes, tile, dtype=jnp.float32):
+  """psum, pmean, psum_scatter (tiled and not) and all_gather over the replica groups of
+  ``tile`` equal lax's exactly on small integers (lax takes groups only without check_vma)."""
+  mesh = mesh_of(mesh_name)
+  groups = tile_groups(tuple(mesh.shape[a] for a in axes), tile)
+  g = math.prod(tile)
+  kw = dict(axis_index_groups=groups)
+
+  names = ("psum", "pmean", "psum_scatter", "all_gather")
+  ours = types.SimpleNamespace(
+    **{n: functools.partial(getattr(tc, n), implementation="shard_map") for n in names}
+  )
+
+  def fn(x, u):
+    ops = lambda m: (
+      m.psum(x, axes, **kw),
+      m.pmean(x, axes, **kw),
+      m.psum_scatter(x, axes, tiled=True, **kw),
+      m.psum_scatter(u, axes, scatter_dimension=1, **kw),
+      m.all_gather(x, axes, axis=1, **kw),
+      m.all_gather(x, axes, tiled=True, **kw),
+    )
+    return ops(ours), ops(lax)
+
+  x = small_integers((mesh.size, 2 * g, 3), dtype, seed=g)
+  u = small_integers((mesh.size, 3, g), dtype, seed=g + 1)
+  ours, ref = per_device(fn, mesh, x, u, check_vma=False)
+  for o, r in zip(ours, ref):
+    assert o.shape == r.shape and o.dtype == r.dtype
+    np.testing.assert_array_equal(np.asarray(o, np.float64), np.asarray(r, np.float64))
+
+
+def test_tile_groups_lists_aligned_boxes():
+  assert tile_groups((2, 2, 4), (1, 1, 2))[:3] == [[0, 1], [2, 3], [4, 5]]
+  assert tile_groups((2, 2, 4), (2, 1, 2))[0] == [0, 1, 8, 9]
+
+
 def test_group_sizes_name_3d_tiles_filled_along_the_last_axis():
   tiles = [tc.resolve_tile(g, (2, 2, 4)) for g in (2, 4, 8, 16)]
   assert tiles == [(1, 1, 2), (1, 1, 4), (1, 2, 4), (2, 2, 4)]
@@ -187,4 +238,15 @@ if __name__ == "__main__":
     (("y", "x", "z"), jnp.bfloat16),
   ]:
     check_exact("2x2x4", axes, dtype)
+  # Replica groups over part of an axis: each ring spans 2 of the 4 devices along z.
+  for axes, tile in [
+    (("x", "y", "z"), (1, 1, 2)),
+    (("x", "y", "z"), (2, 1, 2)),
+    (("x", "y", "z"), (1, 2, 2)),
+    (("x", "y", "z"), (2, 2, 2)),
+    (("z", "x"), (2, 1)),
+    (("y", "z"), (2, 2)),
+  ]:
+    check_tile_groups("2x2x4", axes, tile)
+  check_tile_groups("2x2x4", ("x", "y", "z"), (2, 2, 2), jnp.int32)
   print(MARKER)

@@ -1,17 +1,22 @@
 """Ahead-of-time compilation of the torus kernels for real TPU generations, on CPU.
 
-Runs the real Mosaic compiler through libtpu (the ``tpu`` extra); selected with ``-m aot``.
+Runs the real Mosaic compiler through libtpu (the ``tpu`` extra, which ``make test``
+installs). The tests are marked ``aot`` and run with the rest of the suite; ``-m aot`` runs
+only them and ``-m "not aot"`` leaves them out. Without libtpu the module is skipped with
+that reason in pytest's summary (and CI, which installs the extra, fails instead: see
+``test_aot_in_ci``).
 A v3 topology is only lowered (with the fallback), never compiled with Pallas: libtpu aborts
 the whole process when compiling a Pallas remote DMA for v2/v3.
 """
 
+import aot_skip
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-pytest.importorskip("libtpu")
+pytest.importorskip("libtpu", reason=aot_skip.REASON)
 
 import torus_collectives as tc  # noqa: E402
 from bench import aot_report  # noqa: E402

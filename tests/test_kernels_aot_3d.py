@@ -1,15 +1,20 @@
 """Ahead-of-time compilation of the kernels on 3-D TPU topologies (v4, v5p), on CPU.
 
-Runs the real Mosaic compiler through libtpu (the ``tpu`` extra); selected with ``-m aot``.
+Runs the real Mosaic compiler through libtpu (the ``tpu`` extra, which ``make test``
+installs). The tests are marked ``aot`` and run with the rest of the suite; ``-m aot`` runs
+only them and ``-m "not aot"`` leaves them out. Without libtpu the module is skipped with
+that reason in pytest's summary (and CI, which installs the extra, fails instead: see
+``test_aot_in_ci``).
 The meshes come from ``tc.make_torus_mesh`` over the topology's devices, which places each
 device at its chip coordinates (v4 exposes two devices per chip: they share the last axis).
 """
 
+import aot_skip
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-pytest.importorskip("libtpu")
+pytest.importorskip("libtpu", reason=aot_skip.REASON)
 
 from jax.experimental import topologies  # noqa: E402
 

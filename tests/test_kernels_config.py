@@ -54,3 +54,16 @@ def test_unset_block_rows_come_from_the_shape_and_generation(rows):
   assert -(-rows // block) <= config_lib.PIECES or capped
   assert block == tile or (block - tile) * config_lib.PIECES < rows
   assert config_lib.KernelConfig(block_rows=32).resolve(rows, 4, "TPU v5 lite").block_rows == 32
+
+
+def test_package_import_loads_no_pallas():
+  """``import torus_collectives`` leaves Pallas (jax's and the kernels) unloaded: the
+  registry imports the kernels only when a Pallas implementation is chosen."""
+  import subprocess
+  import sys
+
+  code = (
+    "import sys, torus_collectives; loaded = [m for m in sys.modules if 'pallas' in m]; "
+    "assert not loaded, loaded"
+  )
+  subprocess.run([sys.executable, "-c", code], check=True)

@@ -267,6 +267,26 @@ def test_gather_to_invarying(impl):
   check(impl, build)
 
 
+@pytest.mark.parametrize("impl", WITH_PALLAS)
+@pytest.mark.parametrize("axes", [XY, ("y", "x")], ids=["xy", "yx"])
+def test_grad_of_gather_to_invarying(impl, axes):
+  """The transpose of an invariant gather is this device's own chunk of the cotangent: with a
+  different weight on every chunk, the gradient on each device names its position in the
+  row-major order over ``axes`` (a transpose that walks the axes in the other order hands
+  device (i, j) the weight of another device)."""
+  mesh, x = _mesh(MESH), _data((8, 3), seed=5)
+  weights = jnp.asarray(small_integers((8, 3), np.float32, seed=6)) + 10 * jnp.arange(8.0)[:, None]
+
+  def build(ops):
+    def body(v):
+      loss = lambda u: jnp.sum(weights * ops.all_gather(u, axes, to="invarying"))
+      return jax.grad(loss)(v[0])[None]
+
+    return lambda: _shard_map(body, mesh, x)
+
+  check(impl, build)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_gather_to_reduced(impl):
   mesh, x = _mesh(MESH), _data()

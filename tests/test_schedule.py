@@ -101,6 +101,19 @@ def test_split_torus_uses_every_link_every_step(torus):
     assert sorted(links) == sorted(every_link)
 
 
+@pytest.mark.parametrize(
+  "torus,fewer,steps", [((4, 4, 8), 14, 26), ((2, 2, 4), 6, 10), ((4, 8), 8, 20)]
+)
+def test_split_torus_on_unequal_axes_leaves_links_idle_in_some_steps(torus, fewer, steps):
+  """On unequal axis sizes the rotations drift out of phase: the README's figure for
+  4x4x8 (14 of the all-reduce's 26 steps use fewer than six links)."""
+  sched = S.build("all_reduce", torus, S.Variant.TORUS_SPLIT)
+  every_link = {(a, d) for a in range(len(torus)) for d in (1, -1)}
+  used = [{(t.phase.axis, t.phase.direction) for t in step} for step in sched.steps()]
+  assert len(used) == steps
+  assert sum(links != every_link for links in used) == fewer
+
+
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
 def test_split_3d_loads_all_six_links_of_every_chip_equally(collective):
   sched = S.build(collective, (4, 4, 4), S.Variant.TORUS_SPLIT)

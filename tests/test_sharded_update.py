@@ -118,7 +118,14 @@ def test_state_is_one_pth_per_device():
   # Adam: mu and nu, one float32 shard each per leaf, plus a per-device int32 step count.
   assert per_device_bytes(sharded) == 2 * 4 * shard_elements + 4
   assert per_device_bytes(full) == 2 * 4 * sum(sizes) + 4
-  assert 2 * 4 * shard_elements <= 2 * 4 * (sum(sizes) / p + len(sizes))
+  # The layout of the real parameters: each moment leaf is [p, ceil(size / p)], one row a device.
+  params = cases.initial_params(mesh)
+  adam = sharded[0]
+  rows = [(p, math.ceil(leaf.size / p)) for leaf in jax.tree.leaves(params)]
+  for moment in (adam.mu, adam.nu):
+    assert jax.tree.structure(moment) == jax.tree.structure(params)
+    assert [leaf.shape for leaf in jax.tree.leaves(moment)] == rows
+  assert adam.count.shape == (p,)
 
 
 def test_orbax_checkpoint_round_trip_resumes_bitwise(tmp_path):

@@ -68,8 +68,16 @@ def all_reduce_gradients(
 ) -> Any:
   """Sums (``mean=False``) or averages a gradient pytree over ``axis_name``.
 
-  Returns a tree of the same structure, shapes and dtypes.
+  Returns a tree of the same structure, shapes and dtypes. ``transport_dtype`` must be a
+  floating dtype: a cast to an integer dtype would truncate every gradient to whole numbers
+  (block-scaled integer transport does not exist yet), so it is refused before any work.
   """
+  if transport_dtype is not None and not jnp.issubdtype(jnp.dtype(transport_dtype), jnp.floating):
+    raise ValueError(
+      f"transport_dtype={jnp.dtype(transport_dtype).name} is not a floating dtype: casting "
+      "gradients to it would truncate them (there is no block-scaled integer transport); "
+      "pass a floating transport dtype such as jnp.bfloat16, or None"
+    )
   if not bucket_bytes > 0 or not math.isfinite(bucket_bytes):
     raise ValueError(f"{bucket_bytes=} must be a positive, finite number of bytes")
   axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)

@@ -10,10 +10,13 @@ Two paths, chosen per call:
 
 * the fused op (``tc.batch_norm``) when it computes what flax asks for: no ``mask``,
   float32 reductions, one feature axis, and replica groups that are aligned tiles of the
-  mesh (``group_size``, or ``axis_index_groups`` that are such tiles). Its variance is the
-  numerically stable two-pass one whatever ``use_fast_variance`` says (the fused op is
-  both fast and stable, so flax's trade-off does not arise); results agree with flax's
-  within rounding.
+  mesh (``group_size``, or ``axis_index_groups`` that are such tiles). Its variance comes
+  from one pass over x in HBM (on the XLA path, sums shifted by x's first row; in the
+  Pallas kernels, each block centred on its own mean), the replicas' results combined
+  with non-negative terms (``torus_collectives.batch_norm``), whatever
+  ``use_fast_variance`` says: one pass, like flax's fast variance, yet accurate when the
+  mean is large next to the spread (given a first row of typical values); results agree
+  with flax's within rounding.
 * otherwise flax's own statistics, with the cross-replica means taken by ``tc.pmean``.
 
 ``use_running_average`` normalizes with the stored statistics, as flax does. This module is

@@ -279,7 +279,9 @@ class CollectiveRequest:
     op: one of ``COLLECTIVES``.
     dtypes: the dtypes of the leaves.
     mesh_axes: how many of the named axes are mesh axes (the rest are vmap axes).
-    unbound: named axes bound by nothing (lax raises NameError for them).
+    unbound: named axes bound by nothing (lax raises NameError for them, except
+      ``lax.psum`` inside ``shard_map(check_vma=True)``, which fails an AssertionError; the
+      torus implementations raise NameError either way).
     positional: an int (positional) axis is named.
     groups: None, "tile" (``axis_index_groups`` that are aligned tiles of the torus, in
       row-major order) or "other".
