@@ -283,3 +283,42 @@ def test_batch_norm_kernels_move_what_they_declare(mesh_shape):
     assert call.total("dma_count") == call.total("body_hbm") == 0
     per_device = {d: t.bytes_accessed_tiled for d, t in call.traffic.items()}
     assert per_device == dict.fromkeys(range(mesh.size), cost.bytes_accessed), name
+
+
+def test_dma_semaphore_left_signalled_is_caught(monkeypatch):
+  """A kernel that never waits for its sends leaves each send semaphore holding the bytes
+  its DMAs signalled; the results are still right, and the accounting must reject it."""
+
+  class _NoSendWait:
+    def __init__(self, copy):
+      self._copy = copy
+
+    def __getattr__(self, name):
+      return getattr(self._copy, name)
+
+    def wait_send(self):
+      pass
+
+  class _Pltpu:
+    def __getattr__(self, name):
+      return getattr(pltpu, name)
+
+    def make_async_remote_copy(self, *args, **kwargs):
+      return _NoSendWait(pltpu.make_async_remote_copy(*args, **kwargs))
+
+  monkeypatch.setattr(torus_kernels, "pltpu", _Pltpu())
+  schedules = _record_schedules(monkeypatch)
+  mesh, names = _mesh((2, 4))
+  x = jnp.asarray(np.random.default_rng(2).integers(-8, 8, size=(8, 301)), jnp.float32)
+  _, accounting, got = counted(
+    "eager", _per_device(lambda v: kernels.all_gather(v, names, (2, 4)), mesh, names), x
+  )
+  want = _per_device(LAX["all_gather"](names), mesh, names)(x)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  (call,), (schedule,) = accounting.calls, schedules
+  with pytest.raises(AssertionError, match="semaphores left signalled"):
+    call.check()
+  left = call.imbalances()
+  assert {kind for kind, _, _ in left} == {"allocated"}  # DMA semaphores, not the barrier
+  assert {device for _, _, device in left} == set(range(8))
+  check_barrier(call, 8, len(torus_kernels.links(schedule)))
