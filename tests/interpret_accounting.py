@@ -192,8 +192,7 @@ class Accounting:
     with self.lock:
       self._dmas.append(dma)
 
-  def dma_read(self, dma) -> None:
-    nbytes = int(dma.data.nbytes)
+  def dma_read(self, dma, nbytes: int) -> None:
     with self.lock:
       t = self._current.traffic[dma.src_device_id]
       t.dma_count += 1
@@ -249,11 +248,15 @@ class _CountedDMA(ipc.DMA):
     super().execute_read()
     if _active is None:
       return
+    # In on_wait mode the read may run in two threads (the sender's and the receiver's);
+    # the first to see the data counts it. Read ``data`` once: another thread's write may
+    # drop it at any time.
+    data = self.data
     with _active.lock:
-      first = not self.counted and self.data is not None
+      first = not self.counted and data is not None
       self.counted = self.counted or first
     if first:
-      _active.dma_read(self)
+      _active.dma_read(self, int(data.nbytes))
 
 
 def _wrap_get(original, input_shapes):
