@@ -233,9 +233,14 @@ def test_barrier_that_waits_for_one_signal_is_caught(monkeypatch):
       check_barrier(call, 8, links)
 
 
-# Batch norm: NHWC with N = 8 (the view [H*W, N, C] = [25, 8, 256]): 25 rows in blocks of
-# 8 leave a ragged last block of 1 row; two channel blocks of 128.
-BN_SHAPE, BN_BLOCKS = (8, 5, 5, 256), BlockSizes(block_rows=8, block_channels=128)
+# Batch norm, NHWC with N = 8, on views [H*W, N, C] with a ragged last row block: [25, 8,
+# 256] in blocks of 8 rows (the last holds 1) and two channel blocks of 128, so the
+# elementwise passes re-read their coefficients; [9, 8, 128] in blocks of 4 rows (the
+# last holds 1) and one channel block, so they read them once.
+BN_CASES = [
+  ((2, 4), (8, 5, 5, 256), BlockSizes(block_rows=8, block_channels=128)),
+  ((2, 2, 2), (8, 3, 3, 128), BlockSizes(block_rows=4, block_channels=128)),
+]
 
 
 def _bn_passes(bs: BlockSizes):
@@ -259,14 +264,16 @@ def _bn_operands(shape, devices: int):
   return x, dy, jnp.broadcast_to(c, (devices, *c.shape))
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 4), (2, 2, 2)], ids=["2x4", "2x2x2"])
-def test_batch_norm_kernels_move_what_they_declare(mesh_shape):
+@pytest.mark.parametrize(
+  "mesh_shape,shape,block_sizes", BN_CASES, ids=["2x4-two-channel-blocks", "2x2x2-one"]
+)
+def test_batch_norm_kernels_move_what_they_declare(mesh_shape, shape, block_sizes):
   """Every pass on every device of the mesh (each replica runs its own kernels), in whole
-  (8, 128) tiles as declared; the elementwise passes re-read their coefficients once per
-  row block when there are several channel blocks."""
+  (8, 128) tiles as declared. The kernels start no DMA of their own (the pipeline moves
+  their blocks), so one DMA execution mode suffices."""
   mesh, names = _mesh(mesh_shape)
-  x, dy, coef = _bn_operands(BN_SHAPE, mesh.size)
-  for name, fn in _bn_passes(BN_BLOCKS).items():
+  x, dy, coef = _bn_operands(shape, mesh.size)
+  for name, fn in _bn_passes(block_sizes).items():
     sharded = jax.jit(
       jax.shard_map(
         lambda x, dy, c, fn=fn: jax.tree.map(lambda a: a[None], fn(x[0], dy[0], c[0])),
