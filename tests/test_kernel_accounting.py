@@ -25,7 +25,8 @@ the tests assert:
 
 Sizes are ragged (no whole number of words, chunks or blocks), so the branches for the
 buffer's partial last chunk and its tail, and the batch-norm kernels' ragged last row
-block, run; large enough on the torus to run every stream of the split schedule.
+block, run; the all-reduce sizes are large enough to run every stream of the split
+schedule (4 on 2x4, 6 on 2x2x2).
 """
 
 import math
