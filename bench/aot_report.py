@@ -6,7 +6,9 @@ inside a ``shard_map`` over such a topology and prints what XLA's cost and memor
 say about the Pallas kernels against XLA's own ``psum``, the bytes accessed against the
 ideal 7 (p-1)/p S, the kernels' declared wire bytes against the bound 2 (p-1)/p S, and
 every op XLA wraps around the kernels (``glue``). These are compiler estimates, not
-measurements: nothing here runs on a TPU.
+measurements: nothing here runs on a TPU. The kernels' part of the bytes is what they
+declare (XLA cannot see inside a Mosaic kernel); ``tests/test_kernel_accounting.py``
+checks the declarations by counting every DMA in TPU interpret mode.
 
     JAX_PLATFORMS=cpu python -m bench.aot_report                       # v5e:16x16, ResNet-50
     JAX_PLATFORMS=cpu python -m bench.aot_report --topology=v6e:4x4 --elements=1000000
@@ -253,8 +255,9 @@ def main(argv=None) -> None:
     print("  glue around the kernels:", describe(glue(compiled["pallas"])))
   print(
     "\nBytes accessed: the kernels' HBM traffic as they declare it (pl.CostEstimate, priced "
-    "from the schedule) plus XLA's glue;\nXLA's all-reduce estimate counts only its "
-    "operand and result, not the traffic inside the collective."
+    "from the schedule, checked by counting in TPU interpret mode) plus XLA's glue;\nXLA's "
+    "all-reduce estimate counts only its operand and result, not the traffic inside the "
+    "collective."
   )
 
 

@@ -25,7 +25,11 @@ both passes of each direction in one kernel with the channel block of x (and dy)
 VMEM between them, where that fits half the generation's VMEM: 2X forward, 5X in all.
 The operands are pinned to HBM (XLA would otherwise also prefetch them into VMEM). Each
 ``pallas_call`` declares exactly that (operands plus results, in whole (8, 128) tiles as
-they lie in HBM) in a ``pl.CostEstimate``, since XLA cannot see inside a Mosaic kernel.
+they lie in HBM) in a ``pl.CostEstimate``, since XLA cannot see inside a Mosaic kernel;
+the elementwise passes add their per-channel coefficients once per row block when there
+are several channel blocks, since the pipeline then re-reads them at every step. The
+declarations are checked against the bytes the pipeline moves, counted in TPU interpret
+mode (``tests/test_kernel_accounting.py``).
 """
 
 from __future__ import annotations
@@ -241,12 +245,24 @@ def _tiled_bytes(a) -> int:
   return math.prod(major) * tile * a.dtype.itemsize
 
 
-def _traffic_cost(*arrays, outputs, flops_per_element: int):
-  """The kernel's HBM traffic (operands plus results) for XLA's cost analysis."""
-  nbytes = sum(_tiled_bytes(a) for a in (*arrays, *outputs))
+def _traffic_cost(*arrays, outputs, flops_per_element: int, fetches: dict[int, int] | None = None):
+  """The kernel's HBM traffic (operands plus results) for XLA's cost analysis; operand
+  ``i`` counts ``fetches[i]`` times (default once)."""
+  fetches = fetches or {}
+  nbytes = sum(_tiled_bytes(a) * fetches.get(i, 1) for i, a in enumerate(arrays))
+  nbytes += sum(_tiled_bytes(a) for a in outputs)
   return pl.CostEstimate(
     flops=flops_per_element * arrays[0].size, transcendentals=0, bytes_accessed=nbytes
   )
+
+
+def _coef_fetches(view_shape, bs: BlockSizes) -> int:
+  """How often an elementwise pass reads its coefficients from HBM. The pipeline fetches
+  a block when its index changes; with row blocks outermost, the coefficients' channel
+  block changes at every step when there are several channel blocks (the whole array is
+  then read once per row block), and never when there is one."""
+  rows, _, channels = view_shape
+  return pl.cdiv(rows, bs.block_rows) if channels // bs.block_channels > 1 else 1
 
 
 def _reduction_out_spec(k: int, bc: int):
@@ -286,7 +302,9 @@ def normalize(x, coef, *, relu: bool, block_sizes: BlockSizes | None = None):
       in_specs=[x_spec, coef_spec],
       out_specs=x_spec,
       out_shape=out_shape,
-      cost_estimate=_traffic_cost(v, coef, outputs=[out_shape], flops_per_element=4),
+      cost_estimate=_traffic_cost(
+        v, coef, outputs=[out_shape], flops_per_element=4, fetches={1: _coef_fetches(v.shape, bs)}
+      ),
       compiler_params=params,
       name="bn_normalize",
     )(*_in_hbm(v, coef))
@@ -328,7 +346,14 @@ def backward_dx(x, dy, coef, *, relu: bool, block_sizes: BlockSizes | None = Non
       in_specs=[x_spec, x_spec, coef_spec],
       out_specs=x_spec,
       out_shape=out_shape,
-      cost_estimate=_traffic_cost(v, dv, coef, outputs=[out_shape], flops_per_element=9),
+      cost_estimate=_traffic_cost(
+        v,
+        dv,
+        coef,
+        outputs=[out_shape],
+        flops_per_element=9,
+        fetches={2: _coef_fetches(v.shape, bs)},
+      ),
       compiler_params=params,
       name="bn_backward_dx",
     )(*_in_hbm(v, dv, coef))

@@ -42,10 +42,11 @@ ALIGNED = 16 * 4 * 2 * 16 * 128
 
 
 def assert_kernels_alone_at_the_traffic_floor(compiled, devices: int, nbytes: int) -> None:
-  """No pad, convert, slice or copy of the buffer outside the kernels, and bytes accessed
-  within 1.05x of the ideal 7 (p-1)/p S. The one copy allowed is XLA moving the result
-  out of the kernel's buffer because it is the program's output (a consumer of the result
-  reads it in place); its bytes are not the collective's."""
+  """No pad, convert, slice or copy of the buffer outside the kernels (the compiler's
+  program), and bytes accessed within 1.05x of the ideal 7 (p-1)/p S (the kernels' part
+  declared by them, checked by counting in test_kernel_accounting.py). The one copy
+  allowed is XLA moving the result out of the kernel's buffer because it is the program's
+  output (a consumer of the result reads it in place); its bytes are not the collective's."""
   glue = aot_report.glue(compiled)
   output_copy = aot_report.output_copies(glue)
   assert [g for g in glue if g not in output_copy] == [], aot_report.describe(glue)
