@@ -55,6 +55,10 @@ def main(argv):
       os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform'
       f'_device_count={config.simulated_cpu_devices}'
     ).strip()
+  if config.xla_overlap_settings:  # libtpu reads its flags once, when jax starts it
+    from torus_collectives import xla_settings  # pylint: disable=g-import-not-at-top
+
+    xla_settings.apply()
   import jax  # pylint: disable=g-import-not-at-top
 
   if _NUM_PROCESSES.value > 1:

@@ -115,6 +115,7 @@ RULES = {
   'grad_implementation': _NONEMPTY_STR,  # the runtime check names the implementations
   'tune': _BOOL,
   'weight_update_sharding': _BOOL,
+  'xla_overlap_settings': _BOOL,
   'seed': (lambda v: _is_int(v) and 0 <= v < 2**30, 'an integer in [0, 2**30)'),
   'log_every_steps': _int_at_least(1),
   'eval_every_epochs': _POSITIVE,

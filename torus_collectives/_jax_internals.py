@@ -15,6 +15,8 @@ package's core must not (Pallas loads only with the kernels).
   (``xla_settings``).
 * ``check_vma``, ``auto_pcast``, ``pallas_tpu_interpret_mode``: flags of the enclosing
   ``shard_map`` and interpret-mode context (``_vma``, ``collectives``, ``platform``).
+* ``bool_state``: a jax config option of the package's own, keyed into jit's cache
+  (``registry.bitwise_as_lax``).
 """
 
 import weakref
@@ -22,6 +24,8 @@ import weakref
 from jax._src import config as _config
 from jax._src import xla_bridge
 from jax._src.core import Jaxpr, Literal, Primitive, Tracer, get_axis_env, pvary
+
+bool_state = _config.bool_state
 
 
 def production_order(leaves) -> list[int] | None:
@@ -68,6 +72,7 @@ __all__ = [
   "Primitive",
   "Tracer",
   "auto_pcast",
+  "bool_state",
   "backends_initialized",
   "check_vma",
   "get_axis_env",

@@ -45,8 +45,8 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from jax._src import config as jax_config
 
+from torus_collectives import _jax_internals as jax_internals
 from torus_collectives import platform, tuning
 from torus_collectives.batch_norm_passes import REFERENCE, Passes
 from torus_collectives.configs import KernelConfig
@@ -106,7 +106,7 @@ def candidates(op: str, dtype, device_kind: str | None = None) -> tuple[str, ...
 BITWISE_ENV_VAR = "TORUS_COLLECTIVES_BITWISE"
 # A jax config option (so that jit's caches are keyed by it), named so that jax reads
 # its default from the environment variable above.
-_BITWISE = jax_config.bool_state(
+_BITWISE = jax_internals.bool_state(
   name=BITWISE_ENV_VAR.lower(),
   default=False,
   help='Keep implementation="auto" on XLA (lax) for floating-point dtypes, whatever a '

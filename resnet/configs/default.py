@@ -66,6 +66,9 @@ def get_config() -> ml_collections.ConfigDict:
   # run LARS on each device's 1/p of the weights, all-gather the updates. Same bytes on
   # the wire; optimizer FLOPs and state per device / p.
   c.weight_update_sharding = False
+  # Pass libtpu the flags under which gradient collectives stay apart and asynchronous,
+  # overlapping the backward pass (torus_collectives.xla_settings); read only on TPU.
+  c.xla_overlap_settings = False
 
   # Bookkeeping.
   c.seed = 0
