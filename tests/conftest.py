@@ -27,3 +27,19 @@ def _eight_devices():
   assert jax.device_count() == NUM_DEVICES, (
     "tests need 8 simulated CPU devices; import jax only after tests/conftest.py"
   )
+
+
+@pytest.fixture
+def isolated_tables(tmp_path, monkeypatch):
+  """No shipped tuning table, an empty user cache, no installed table: only what a test
+  writes (yields the folder they go in)."""
+  from torus_collectives import tuning
+
+  monkeypatch.setenv(tuning.ENV_VAR, str(tmp_path / "cache.json"))
+  shipped = tmp_path / "shipped"
+  shipped.mkdir()
+  monkeypatch.setattr(tuning, "SHIPPED_DIR", shipped)
+  tuning.use_table(None)
+  tuning.log_unmeasured.cache_clear()
+  yield tmp_path
+  tuning.use_table(None)

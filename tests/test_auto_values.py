@@ -35,13 +35,7 @@ OPS = {  # tc op -> the op a table is keyed by
 }
 
 
-@pytest.fixture(autouse=True)
-def isolated_tables(tmp_path, monkeypatch):
-  monkeypatch.setenv(tuning.ENV_VAR, str(tmp_path / "cache.json"))
-  monkeypatch.setattr(tuning, "SHIPPED_DIR", tmp_path)
-  tuning.use_table(None)
-  yield
-  tuning.use_table(None)
+pytestmark = pytest.mark.usefixtures("isolated_tables")  # tests/conftest.py
 
 
 def _use(choice: str, dtypes=("float32", "bfloat16", "int32")) -> None:

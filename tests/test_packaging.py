@@ -58,6 +58,45 @@ def test_wheel_has_one_top_level_package(wheel):
   )
 
 
+def _fresh_venv(wheel, tmp_path) -> tuple[pathlib.Path, pathlib.Path]:
+  """A new virtual environment with only the wheel installed: its python and site dir."""
+  env = tmp_path / "env"
+  subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True, timeout=120)
+  python = env / "bin" / "python"
+  subprocess.run(
+    [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps"]
+    + ["--no-index", str(wheel)],
+    check=True,
+    timeout=300,
+  )
+  site = pathlib.Path(
+    subprocess.check_output(
+      [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], text=True
+    ).strip()
+  )
+  return python, site
+
+
+def _run_ok(python, program: str, tmp_path) -> None:
+  """``program`` run by ``python`` on 8 simulated CPU devices; it must print "ok" last."""
+  environ = {
+    **os.environ,
+    "JAX_PLATFORMS": "cpu",
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    "PYTHONPATH": "",
+  }
+  result = subprocess.run(
+    [str(python), "-c", program],
+    cwd=tmp_path,  # not the checkout, whose folders would shadow the installed package
+    env=environ,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 0, result.stderr[-4000:]
+  assert result.stdout.strip().endswith("ok")
+
+
 USER_PROGRAM = textwrap.dedent(
   """
   import sys
@@ -97,41 +136,13 @@ USER_PROGRAM = textwrap.dedent(
 
 
 def test_wheel_installs_beside_packages_named_kernels_and_resnet(wheel, tmp_path):
-  env = tmp_path / "env"
-  subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True, timeout=120)
-  python = env / "bin" / "python"
-  subprocess.run(
-    [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps"]
-    + ["--no-index", str(wheel)],
-    check=True,
-    timeout=300,
-  )
-  site = pathlib.Path(
-    subprocess.check_output(
-      [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], text=True
-    ).strip()
-  )
+  python, site = _fresh_venv(wheel, tmp_path)
   for name in ("kernels", "resnet"):
     (site / name).mkdir()
     (site / name / "__init__.py").write_text(f'WHO = "stand-in {name}"\n')
   # The dependencies (jax, ...) come from this environment, after the fresh one's packages.
   (site / "dependencies.pth").write_text(f"{SITE_PACKAGES}\n")
-  environ = {
-    **os.environ,
-    "JAX_PLATFORMS": "cpu",
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-    "PYTHONPATH": "",
-  }
-  result = subprocess.run(
-    [str(python), "-c", USER_PROGRAM],
-    cwd=tmp_path,  # not the checkout, whose folders would shadow the installed package
-    env=environ,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert result.returncode == 0, result.stderr[-4000:]
-  assert result.stdout.strip().endswith("ok")
+  _run_ok(python, USER_PROGRAM, tmp_path)
 
 
 CORE_PROGRAM = textwrap.dedent(
@@ -203,15 +214,7 @@ def test_core_runs_with_jax_and_numpy_only(wheel, tmp_path):
   optax, flax, matplotlib nor Pallas, and ``sharded_update`` names the extra to install."""
   from importlib import metadata
 
-  env = tmp_path / "env"
-  subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True, timeout=120)
-  python = env / "bin" / "python"
-  subprocess.run(
-    [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps"]
-    + ["--no-index", str(wheel)],
-    check=True,
-    timeout=300,
-  )
+  python, site = _fresh_venv(wheel, tmp_path)
   deps = tmp_path / "deps"
   deps.mkdir()
   for name in _distribution_closure(["jax", "numpy"]):
@@ -220,25 +223,5 @@ def test_core_runs_with_jax_and_numpy_only(wheel, tmp_path):
       if source.exists() and not (deps / top).exists() and top != "..":
         (deps / top).symlink_to(source)
   assert not (deps / "optax").exists() and (deps / "jax").exists()
-  site = pathlib.Path(
-    subprocess.check_output(
-      [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], text=True
-    ).strip()
-  )
   (site / "dependencies.pth").write_text(f"{deps}\n")
-  environ = {
-    **os.environ,
-    "JAX_PLATFORMS": "cpu",
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-    "PYTHONPATH": "",
-  }
-  result = subprocess.run(
-    [str(python), "-c", CORE_PROGRAM],
-    cwd=tmp_path,
-    env=environ,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert result.returncode == 0, result.stderr[-4000:]
-  assert result.stdout.strip().endswith("ok")
+  _run_ok(python, CORE_PROGRAM, tmp_path)

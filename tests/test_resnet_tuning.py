@@ -6,16 +6,8 @@ import pytest
 from collective_cases import mesh_of
 
 from resnet import models, train, tuning
-from torus_collectives import tuning as tables
 
-
-@pytest.fixture(autouse=True)
-def isolated_tables(tmp_path, monkeypatch):
-  monkeypatch.setenv(tables.ENV_VAR, str(tmp_path / "cache.json"))
-  monkeypatch.setattr(tables, "SHIPPED_DIR", tmp_path)
-  tables.use_table(None)
-  yield
-  tables.use_table(None)
+pytestmark = pytest.mark.usefixtures("isolated_tables")  # tests/conftest.py
 
 
 def _tiny(mesh):

@@ -25,17 +25,7 @@ AXES = ("x", "y")
 SHIPPED_CPU = tuning.SHIPPED_DIR / "cpu.json"  # before the fixture below hides it
 
 
-@pytest.fixture(autouse=True)
-def isolated_tables(tmp_path, monkeypatch):
-  """No shipped table, an empty user cache, no installed table: only what a test writes."""
-  monkeypatch.setenv(tuning.ENV_VAR, str(tmp_path / "cache.json"))
-  shipped = tmp_path / "shipped"
-  shipped.mkdir()
-  monkeypatch.setattr(tuning, "SHIPPED_DIR", shipped)
-  tuning.use_table(None)
-  tuning.log_unmeasured.cache_clear()
-  yield tmp_path
-  tuning.use_table(None)
+pytestmark = pytest.mark.usefixtures("isolated_tables")  # tests/conftest.py
 
 
 def _fake_timer(seconds: dict[str, list[float]]):

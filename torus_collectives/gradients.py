@@ -13,9 +13,10 @@ The torus implementations pack each bucket into one flat buffer. When the implem
 is XLA (what "auto" picks unless the tuner measured otherwise for this tree's size, as op
 ``all_reduce_gradients``), each bucket's leaves go to one variadic ``lax.psum`` /
 ``lax.pmean``, with no concatenate or slice copies, and equal ``lax.pmean`` of the tree
-bitwise. Under XLA's default flags its all-reduce combiner merges them all into one
-collective after the backward pass; ``torus_collectives.xla_settings`` has the flags that
-keep them apart and asynchronous.
+bitwise. Under XLA's default flags the TPU all-reduce combiner may merge them again
+(it merges ``lax.pmean`` of a whole ResNet-50 gradient into one collective after the
+backward pass); ``torus_collectives.xla_settings`` has the flags that keep them apart and
+let XLA run them asynchronously.
 """
 
 from __future__ import annotations

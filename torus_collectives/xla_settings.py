@@ -3,9 +3,11 @@
 By default XLA's TPU all-reduce combiner merges every gradient all-reduce of a step into
 one synchronous collective, placed after the last backward convolution: the whole
 gradient sum is on the critical path. With the flags below (read by libtpu when it
-loads; MaxText documents them), compiled ahead of time for v5e:4x4, a ResNet-50 step's
-gradient collectives become ``async-collective-start``/``-done`` pairs that enclose
-backward convolutions, each bucket of ``all_reduce_gradients`` one collective:
+loads; MaxText documents them), compiled ahead of time for v5e:4x4, the ``lax.pmean``
+of a ResNet-50 step's gradients (batch 32 per replica) is no longer merged: 66 of its
+all-reduces, holding most of the gradient's bytes, become ``async-collective-start``/
+``-done`` pairs with compute scheduled between them, and 197 small ones stay synchronous
+(compiler output; how much time that hides is what ``bench.overlap_report`` estimates):
 
 * ``--xla_jf_crs_combiner_threshold_in_bytes=0``: do not merge all-reduces;
 * ``--xla_tpu_enable_async_collective_fusion`` (with ``_fuse_all_reduce`` and
