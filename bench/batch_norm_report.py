@@ -32,7 +32,7 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from torus_collectives.batch_norm import batch_norm
+from torus_collectives.norm.batch_norm import batch_norm
 
 RESNET50_BN_SHAPES = [
   (112, 112, 64),

@@ -1,7 +1,7 @@
 """Shared set-up of the microbenchmarks: 8 simulated CPU devices and steady-state timing.
 
 Benchmarks that compare variants (implementations of a collective, flax against ours) time
-them with the package's own routine, ``torus_collectives.timing.Interleaved``, the one the
+them with the package's own routine, ``torus_collectives.tuning.timing.Interleaved``, the one the
 tuner decides with: all variants of a group in one test, compiled and warmed first, then
 round after round one call of each, and the ratio to the baseline as the median of the
 per-round ratios. pytest-benchmark's own statistics for such a test are those of a whole
@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 from settings import FULL  # noqa: E402
 
-from torus_collectives import timing  # noqa: E402
+from torus_collectives.tuning import timing  # noqa: E402
 
 NUM_DEVICES = 8
 # Per benchmark: the timed rounds aim at this much wall time, within the round limits.
@@ -71,7 +71,7 @@ def steady(benchmark) -> Callable:
 
 @pytest.fixture
 def interleaved(benchmark) -> Callable:
-  """Times named zero-argument calls against ``baseline`` with ``timing.Interleaved``.
+  """Times named zero-argument calls against ``baseline`` with ``tuning.timing.Interleaved``.
 
   Records, per variant, ``median_s`` and ``time_ratio_to_<baseline>`` (median of per-round
   ratios, above 1 when slower) in ``extra_info["variants"]``; returns the runs.

@@ -25,7 +25,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from torus_collectives import cost_model  # noqa: E402
+from bench import cost_model_report  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -211,9 +211,9 @@ def main(argv: list[str]) -> None:
       logy=True,
     )
   plot_throughput(benchmarks, out / "throughput.png")
-  cost_model.plot_time_vs_p(str(out / "cost_model_time_vs_p.png"))
-  three_d = sorted({name for name, torus in cost_model.PODS if len(torus) == 3})
-  cost_model.plot_time_vs_p(str(out / "cost_model_time_vs_p_3d.png"), generations=three_d)
+  cost_model_report.plot_time_vs_p(str(out / "cost_model_time_vs_p.png"))
+  three_d = sorted({name for name, torus in cost_model_report.PODS if len(torus) == 3})
+  cost_model_report.plot_time_vs_p(str(out / "cost_model_time_vs_p_3d.png"), generations=three_d)
   (out / "latest.md").write_text(markdown(data))
   print((out / "latest.md").read_text())
 

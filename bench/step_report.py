@@ -33,18 +33,19 @@ from jax.sharding import PartitionSpec as P
 
 from bench.aot_report import topology_mesh
 from resnet import models
-from torus_collectives import groups, tuning
-from torus_collectives import nn as tc_nn
+from torus_collectives import groups
+from torus_collectives.norm import linen as tc_nn
+from torus_collectives.tuning import tables
 
 IMPLEMENTATIONS = ("xla", "pallas", "auto", "auto-measured")
 
 
-def pallas_measured_faster(device_kind: str, bn_tile: tuple[int, ...]) -> tuning.Table:
+def pallas_measured_faster(device_kind: str, bn_tile: tuple[int, ...]) -> tables.Table:
   """A hypothetical tuning table: Pallas batch norm measured faster at every size."""
-  entry = tuning.Entry(
-    tuning.topology(bn_tile), "batch_norm", "bfloat16", 0, "pallas", {"pallas": 0.5}, 1
+  entry = tables.Entry(
+    tables.topology(bn_tile), "batch_norm", "bfloat16", 0, "pallas", {"pallas": 0.5}, 1
   )
-  return tuning.Table(device_kind, "hypothetical: Pallas faster", tuning.now(), [entry])
+  return tables.Table(device_kind, "hypothetical: Pallas faster", tables.now(), [entry])
 
 
 def lower_step(mesh, implementation: str, *, model: str, batch: int, image: int, bn_group: int):
@@ -113,7 +114,7 @@ def main(argv=None) -> None:
   bn_tile = groups.resolve_tile(args.bn_group, tuple(mesh.shape.values()))
   for implementation in args.implementations.split(","):
     measured = implementation == "auto-measured"
-    tuning.use_table(pallas_measured_faster(device_kind, bn_tile) if measured else None)
+    tables.use_table(pallas_measured_faster(device_kind, bn_tile) if measured else None)
     compiled = lower_step(
       mesh,
       "auto" if measured else implementation,

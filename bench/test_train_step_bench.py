@@ -5,7 +5,7 @@ backward, gradient averaging, LARS, moving-statistics averaging) on 8 simulated 
 as a 2x4 torus, with the global batch split over all of them. Three variants share the
 model, batch, optimizer and devices:
   "torus_collectives"  gradients averaged by ``tc.all_reduce_gradients`` and batch norm by
-                       ``torus_collectives.nn.BatchNorm`` (what training uses);
+                       ``torus_collectives.norm.linen.BatchNorm`` (what training uses);
   "weight_update_sharding"  the same with ``weight_update_sharding=True``: gradients
                        reduce-scattered, LARS on each device's 1/8 of the weights, new
                        weights all-gathered (``tc.sharded_update``);
@@ -15,7 +15,7 @@ Each records its optimizer-state bytes per device (from the state's shards).
 Batch norm statistics span all 8 replicas in both (group size 8), so the two compute the
 same function. The state is not donated here, so every round reuses the same inputs. The
 variants are timed interleaved (``conftest.interleaved``); "auto" reads the tuning tables
-(see ``torus_collectives.tuning``), and the implementation it picked for the gradient
+(see ``torus_collectives.tuning.tables``), and the implementation it picked for the gradient
 summation is recorded.
 
 Input pipeline: resnet/input_pipeline.py on the embedded digits, with the default config's
@@ -37,8 +37,8 @@ from settings import FULL
 import torus_collectives as tc
 from resnet import data_sources, input_pipeline, models, optim, train
 from resnet.configs import default
-from torus_collectives import nn as tc_nn
-from torus_collectives import tune
+from torus_collectives.norm import linen as tc_nn
+from torus_collectives.tuning import tuner
 
 CONFIG = default.get_config()
 # ResNet-50 (what ``make train`` trains) takes minutes to compile on two shared cores, so
@@ -135,9 +135,9 @@ def test_train_step(benchmark, interleaved):
       unit="images/s",
       optimizer_state_bytes_per_device=_per_device_bytes(states[variant].opt_state),
     )
-  gradients = tune.gradients_case(mesh, states["torus_collectives"].params)
+  gradients = tuner.gradients_case(mesh, states["torus_collectives"].params)
   benchmark.extra_info["variants"]["torus_collectives"]["grad_implementation"] = (
-    f"{CONFIG.grad_implementation} -> {tune.auto_choice(gradients, mesh)}"
+    f"{CONFIG.grad_implementation} -> {tuner.auto_choice(gradients, mesh)}"
   )
   benchmark.extra_info.update(
     model=CONFIG.model,

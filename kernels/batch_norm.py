@@ -1,4 +1,4 @@
-"""The per-replica batch-norm passes of ``torus_collectives.batch_norm_passes`` as Pallas
+"""The per-replica batch-norm passes of ``torus_collectives.norm.passes`` as Pallas
 TPU kernels that read and write the activation in XLA's TPU layout as it lies in HBM.
 
 Same contracts and ``coef`` layout as the jnp passes. A Pallas TPU operand is row-major,
@@ -42,11 +42,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from torus_collectives import platform
+from torus_collectives import target
 from torus_collectives._vma import varying_like
-from torus_collectives.batch_norm_passes import Passes
-from torus_collectives.configs import BlockSizes, scoped_vmem_bytes, vmem_bytes
+from torus_collectives.configs import scoped_vmem_bytes, vmem_bytes
 from torus_collectives.layout import LANES, SUBLANES, ceil_div, from_bn_view, to_bn_view
+from torus_collectives.norm.block_sizes import BlockSizes
+from torus_collectives.norm.passes import Passes
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -207,7 +208,7 @@ def _local_backward_kernel(
 
 def _block_sizes(view_shape, block_sizes: BlockSizes | None) -> BlockSizes:
   if block_sizes is None:
-    return BlockSizes.default(view_shape, platform.target_device().device_kind)
+    return BlockSizes.default(view_shape, target.target_device().device_kind)
   block_sizes.check(view_shape)
   return block_sizes
 
@@ -378,7 +379,7 @@ def _local_params(view_shape, dtype, arrays: int, bs: BlockSizes):
   the activation, or None if they do not fit half of the generation's VMEM."""
   resident_shape = _local_specs(view_shape, bs)[-1]
   resident = arrays * _tiled_bytes(jax.ShapeDtypeStruct(resident_shape, dtype))
-  device_kind = platform.target_device().device_kind
+  device_kind = target.target_device().device_kind
   vmem = vmem_bytes(device_kind)
   if resident > vmem // 2:
     return None

@@ -59,8 +59,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from torus_collectives import platform
 from torus_collectives import schedule as schedule_lib
+from torus_collectives import target
 from torus_collectives._vma import ensure_varying
 from torus_collectives.configs import LANES, KernelConfig
 from torus_collectives.kernels import buffer_layout, torus_kernels
@@ -75,16 +75,16 @@ def _work_dtype(dtype, config: KernelConfig | None) -> jnp.dtype:
 
 
 def _target() -> tuple[tuple[str, ...], str]:
-  """(mesh axis names, device kind) of the ``shard_map`` being traced; checks the platform."""
-  device = platform.target_device()
+  """(mesh axis names, device kind) of the ``shard_map`` being traced; checks the target."""
+  device = target.target_device()
   kind = device.device_kind
   if device.platform == "tpu":
-    if not platform.pallas_compiles_for(kind):
+    if not target.pallas_compiles_for(kind):
       raise NotImplementedError(
         f"Pallas remote-DMA kernels do not compile for {kind!r}; use "
         "implementation='shard_map' (or 'auto', which picks it) on TPU v2/v3."
       )
-  elif not platform.interpret_mode_active():
+  elif not target.interpret_mode_active():
     raise ValueError(
       f"implementation='pallas' needs a TPU, but this computation targets {device.platform!r}. "
       "To run the kernels on CPU in TPU interpret mode, trace the call inside "

@@ -8,7 +8,7 @@ float32 kernels to ``dtype`` inside each layer, so optimizer state stays float32
 The last batch norm of each residual branch starts with scale 0, so every block begins as
 the identity; this is what lets very large batches train from step 0 (Goyal et al. 2017).
 
-The normalisation layer is the ``norm`` field: ``torus_collectives.nn.BatchNorm`` by
+The normalisation layer is the ``norm`` field: ``torus_collectives.norm.linen.BatchNorm`` by
 default, whose statistics are averaged over ``bn_group_size`` consecutive replicas of
 ``axis_name`` (the paper's distributed batch norm); any module with flax.linen.BatchNorm's
 fields fits (``flax.linen.BatchNorm`` itself, with ``bn_group_size=None``, is the usual
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
-from torus_collectives import nn as tc_nn
+from torus_collectives.norm import linen as tc_nn
 
 
 class BottleneckBlock(nn.Module):

@@ -8,7 +8,7 @@ global batch. One step is ``jax.jit`` of a ``jax.shard_map`` body that:
   3. applies LARS, and averages the moving BN statistics so the state stays replicated.
 With ``weight_update_sharding``, steps 2-3 become ``tc.sharded_update``: reduce-scatter,
 LARS on each device's 1/p of the weights (its state stored split over the devices),
-all-gather of the new weights. With ``tune``, the gradient summation and batch norms of
+all-gather of the new weights. With ``tuning.tuner``, the gradient summation and batch norms of
 the model are timed on the mesh first, so that "auto" runs what is fastest there.
 
 Around it: the config validated before anything is built; orbax checkpoints every N
@@ -54,8 +54,8 @@ from resnet import (
   input_pipeline,
   models,
   optim,
+  pretune,
   reporting,
-  tuning,
   validation,
 )
 from torus_collectives.topology import most_square_shape
@@ -421,7 +421,7 @@ def _train_and_evaluate(
   # rbg: XLA's RngBitGenerator compiles far faster than threefry for large inits.
   key = jax.random.key(config.seed, impl='rbg')
   if config.tune:
-    tuning.tune_model(
+    pretune.tune_model(
       model,
       jax.eval_shape(init_fn, key),
       mesh,

@@ -33,13 +33,13 @@ def _eight_devices():
 def isolated_tables(tmp_path, monkeypatch):
   """No shipped tuning table, an empty user cache, no installed table: only what a test
   writes (yields the folder they go in)."""
-  from torus_collectives import tuning
+  from torus_collectives.tuning import tables
 
-  monkeypatch.setenv(tuning.ENV_VAR, str(tmp_path / "cache.json"))
+  monkeypatch.setenv(tables.ENV_VAR, str(tmp_path / "cache.json"))
   shipped = tmp_path / "shipped"
   shipped.mkdir()
-  monkeypatch.setattr(tuning, "SHIPPED_DIR", shipped)
-  tuning.use_table(None)
-  tuning.log_unmeasured.cache_clear()
+  monkeypatch.setattr(tables, "SHIPPED_DIR", shipped)
+  tables.use_table(None)
+  tables.log_unmeasured.cache_clear()
   yield tmp_path
-  tuning.use_table(None)
+  tables.use_table(None)

@@ -32,35 +32,35 @@ VERDICTS = {
 def main(port: int, process_id: int) -> None:
   multiprocess_setup.join(port, process_id)
   import torus_collectives as tc
-  from torus_collectives import tune, tuning
+  from torus_collectives.tuning import tables, tuner
 
   def timer(name, call):
     jax.block_until_ready(call())  # every process runs every collective
     return VERDICTS[process_id][name]
 
-  earlier = tuning.Run.of(
-    {n: [VERDICTS[process_id][n]] * tuning.MIN_ROUNDS for n in ("shard_map", "lax_torus")},
+  earlier = tables.Run.of(
+    {n: [VERDICTS[process_id][n]] * tables.MIN_ROUNDS for n in ("shard_map", "lax_torus")},
     process=f"earlier-{process_id}",
   )
   path = Path(tempfile.mkdtemp()) / "table.json"
   entries = [
-    tuning.Entry.from_runs("2x4", op, "float32", tuning.size_bucket(MiB), [earlier])
+    tables.Entry.from_runs("2x4", op, "float32", tables.size_bucket(MiB), [earlier])
     for op in ("all_reduce", "reduce_scatter")
   ]
-  tuning.Table(jax.devices()[0].device_kind, "earlier", tuning.now(), entries).save(path)
+  tables.Table(jax.devices()[0].device_kind, "earlier", tables.now(), entries).save(path)
 
   mesh = tc.make_torus_mesh((2, 4))
-  table = tune.tune(
+  table = tuner.tune(
     mesh,
     sizes=[MiB],
     dtypes=["float32"],
     ops=["all_reduce", "reduce_scatter"],
-    rounds=tuning.MIN_ROUNDS,
+    rounds=tables.MIN_ROUNDS,
     timer=timer,
     output=str(path),
     progress=None,
   )
-  written = tuning.Table.from_json(path.read_text())
+  written = tables.Table.from_json(path.read_text())
   assert {e.op: e.choice for e in written.entries} == {e.op: e.choice for e in table.entries}
   choices = {f"{e.op}": e.choice for e in table.entries}
 

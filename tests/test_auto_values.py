@@ -21,12 +21,13 @@ from collective_cases import mesh_of, sharded
 from jax import lax
 
 import torus_collectives as tc
-from torus_collectives import registry, tuning
+from torus_collectives import registry
+from torus_collectives.tuning import tables
 
 MiB = 2**20
 AXES = ("x", "y")
 P = 8  # devices of the 2x4 mesh
-BUCKET = tuning.size_bucket(MiB)  # the tables' one size: 1 MiB and up
+BUCKET = tables.size_bucket(MiB)  # the tables' one size: 1 MiB and up
 OPS = {  # tc op -> the op a table is keyed by
   "psum": "all_reduce",
   "pmean": "all_reduce",
@@ -41,11 +42,11 @@ pytestmark = pytest.mark.usefixtures("isolated_tables")  # tests/conftest.py
 def _use(choice: str, dtypes=("float32", "bfloat16", "int32")) -> None:
   """A table whose every (op, dtype) of 1 MiB and up on 2x4 runs ``choice``."""
   entries = [
-    tuning.Entry("2x4", op, dtype, BUCKET, choice, {choice: 0.5}, tuning.MIN_ROUNDS)
+    tables.Entry("2x4", op, dtype, BUCKET, choice, {choice: 0.5}, tables.MIN_ROUNDS)
     for op in sorted(set(OPS.values()))
     for dtype in dtypes
   ]
-  tuning.use_table(tuning.Table("cpu", "hand-written", tuning.now(), entries))
+  tables.use_table(tables.Table("cpu", "hand-written", tables.now(), entries))
 
 
 def _body(op: str, ops):
@@ -92,7 +93,7 @@ def test_where_no_entry_applies_auto_is_lax_bitwise(op, dtype):
   x = _inputs(op, dtype)
   assert _jaxpr(op, tc, x) == _jaxpr(op, lax, x)
   assert _bitwise(_tc(op, x), _lax(op, x))
-  tuning.use_table(None)  # no table at all
+  tables.use_table(None)  # no table at all
   assert _bitwise(_tc(op, x), _lax(op, x))
 
 
@@ -174,8 +175,8 @@ def test_bitwise_switch_covers_a_tree_of_floats_and_integers():
 
 def test_bitwise_switch_for_gradients():
   _use("lax_torus")
-  entry = tuning.Entry("2x4", "all_reduce_gradients", "float32", BUCKET, "lax_torus", {}, 10)
-  tuning.use_table(tuning.Table("cpu", "hand-written", tuning.now(), [entry]))
+  entry = tables.Entry("2x4", "all_reduce_gradients", "float32", BUCKET, "lax_torus", {}, 10)
+  tables.use_table(tables.Table("cpu", "hand-written", tables.now(), [entry]))
   x = _inputs("psum", jnp.float32)
   mesh = mesh_of("2x4")
 

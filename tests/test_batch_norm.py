@@ -16,8 +16,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from torus_collectives import groups
-from torus_collectives.batch_norm import batch_norm
-from torus_collectives.nn import BatchNorm
+from torus_collectives.norm.batch_norm import batch_norm
+from torus_collectives.norm.linen import BatchNorm
 
 AXES = ("x", "y")
 MESH_SHAPE = (2, 4)
@@ -286,7 +286,7 @@ def test_core_package_does_not_import_flax():
   import sys
 
   code = (
-    "import sys, torus_collectives, torus_collectives.batch_norm, "
+    "import sys, torus_collectives, torus_collectives.norm.batch_norm, "
     "torus_collectives.groups; assert 'flax' not in sys.modules"
   )
   subprocess.run([sys.executable, "-c", code], check=True)

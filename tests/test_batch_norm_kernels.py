@@ -13,10 +13,12 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from torus_collectives import batch_norm_passes, layout, registry, tuning
-from torus_collectives.batch_norm import batch_norm
-from torus_collectives.configs import BlockSizes
+from torus_collectives import layout, registry
 from torus_collectives.kernels import batch_norm as kbn
+from torus_collectives.norm import passes
+from torus_collectives.norm.batch_norm import batch_norm
+from torus_collectives.norm.block_sizes import BlockSizes
+from torus_collectives.tuning import tables
 
 INTERPRET = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
 
@@ -40,7 +42,7 @@ def _operands(shape, dtype, seed=0):
   channels = shape[-1]
   x = (50.0 + 3.0 * jax.random.normal(kx, shape)).astype(dtype)
   dy = jax.random.normal(kd, shape).astype(dtype)
-  stats = batch_norm_passes.stats_reference(x)
+  stats = passes.stats_reference(x)
   rows = x.size // channels
   mul = jax.lax.rsqrt(stats[1] / rows + 1e-5) * (1 + 0.1 * jax.random.normal(kc, (channels,)))
   coef = jnp.stack(
@@ -97,7 +99,7 @@ def _assert_within_sum_rounding(got, want, absolute_sum, rows):
 def test_passes_match_reference_in_interpret_mode(interpret_mode, shape, block_sizes, dtype):
   x, dy, coef = _operands(shape, dtype)
   stats, y, sums, dx = _all_passes(kbn.PALLAS, block_sizes)(x, dy, coef)
-  want_stats, want_y, want_sums, want_dx = _all_passes(batch_norm_passes.REFERENCE)(x, dy, coef)
+  want_stats, want_y, want_sums, want_dx = _all_passes(passes.REFERENCE)(x, dy, coef)
   assert y.shape == dx.shape == shape and y.dtype == dx.dtype == dtype
   np.testing.assert_allclose(stats[0], want_stats[0], rtol=1e-6)
   # M2 = s2 - s1**2 / R from float32 sums of the shifted rows d, in another order: each sum
@@ -110,7 +112,7 @@ def test_passes_match_reference_in_interpret_mode(interpret_mode, shape, block_s
   out_tol = dict(rtol=1e-2, atol=1e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want_y, np.float32), **out_tol)
   # sum(g) and sum(g * xc): 2 * sqrt(R) * u of the absolute sum of their terms, per channel.
-  xc, g = batch_norm_passes._centred_cotangent_reference(x, dy, coef[:3], relu=True)
+  xc, g = passes._centred_cotangent_reference(x, dy, coef[:3], relu=True)
   terms = [np.abs(np.asarray(t, np.float32)).reshape(rows, -1).sum(0) for t in (g, g * xc)]
   for got, want, absolute in zip(sums, want_sums, terms):
     _assert_within_sum_rounding(got, want, 2 * absolute, rows)
@@ -129,7 +131,7 @@ def test_passes_are_exact_on_small_integers_in_interpret_mode(interpret_mode):
   coef = jnp.array([1.0, 0.5, 0.25, 0.125, -0.5])[:, None] * jnp.ones(96)
   block_sizes = BlockSizes(block_rows=8, block_channels=96)  # a Chan merge of equal halves
   (stats, *rest) = _all_passes(kbn.PALLAS, block_sizes)(x, dy, coef)
-  (want_stats, *want_rest) = _all_passes(batch_norm_passes.REFERENCE)(x, dy, coef)
+  (want_stats, *want_rest) = _all_passes(passes.REFERENCE)(x, dy, coef)
   np.testing.assert_array_equal(stats[0], want_stats[0])
   np.testing.assert_allclose(stats[1], want_stats[1], rtol=1e-6)
   for a, b in zip(rest, want_rest):
@@ -246,11 +248,11 @@ def test_block_sizes_reach_the_kernels_through_the_public_op(monkeypatch):
       seen.append((name, block_sizes))
       if name.startswith("local_"):  # declines, so the four passes run too
         return None
-      return getattr(batch_norm_passes.REFERENCE, name)(*args, **kwargs)
+      return getattr(passes.REFERENCE, name)(*args, **kwargs)
 
     return pass_
 
-  fake = batch_norm_passes.Passes(*(spy(n) for n in batch_norm_passes.Passes._fields))
+  fake = passes.Passes(*(spy(n) for n in passes.Passes._fields))
   monkeypatch.setattr(registry, "batch_norm_passes", lambda name: fake)
   bs = BlockSizes(block_rows=2, block_channels=8)
   x = jnp.ones((8, 2, 2, 8))
@@ -259,7 +261,7 @@ def test_block_sizes_reach_the_kernels_through_the_public_op(monkeypatch):
       batch_norm(x, jnp.ones(8), jnp.zeros(8), implementation="pallas", block_sizes=bs)[0]
     )
   )(x)
-  assert sorted(seen) == sorted((n, bs) for n in batch_norm_passes.Passes._fields)
+  assert sorted(seen) == sorted((n, bs) for n in passes.Passes._fields)
 
 
 def test_bn_view_is_a_bitcast_of_xla_conv_layout():
@@ -278,7 +280,7 @@ def test_bn_view_is_a_bitcast_of_xla_conv_layout():
 def test_auto_is_xla_for_batch_norm_even_where_pallas_was_measured_faster(monkeypatch, shape):
   """Timed alone the kernels win, but inside a network they lose XLA's fusion with the
   neighbouring convolutions, which a tuning measurement cannot see."""
-  monkeypatch.setattr(tuning, "lookup", lambda *args: "pallas")
+  monkeypatch.setattr(tables, "lookup", lambda *args: "pallas")
   with pltpu.force_tpu_interpret_mode(INTERPRET):
     choice = registry.auto_implementation(
       "batch_norm", jnp.bfloat16, nbytes=2 * math.prod(shape), torus=(1,)
@@ -379,7 +381,7 @@ def test_v5e_kernels_skip_relayouts_and_auto_is_xla(monkeypatch, shape):
   from bench import batch_norm_report
 
   device = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
-  monkeypatch.setattr(tuning, "lookup", lambda *args: "pallas")
+  monkeypatch.setattr(tables, "lookup", lambda *args: "pallas")
 
   def bytes_and_relayouts(implementation):
     compiled = batch_norm_report.compile_batch_norm(implementation, shape, True, device)

@@ -169,14 +169,14 @@ def test_auto_is_xla_on_cpu():
 def test_lax_torus_runs_the_split_schedule_as_two_per_axis_chains():
   """x-then-y and y-then-x, each a reduce-scatter and an all-gather per axis, from
   schedule.py; directions are lax's business, so the four streams make two chains."""
-  from torus_collectives import lax_torus_backend
+  from torus_collectives.backends import lax_torus
 
   rs, ag = "reduce_scatter", "all_gather"
-  assert lax_torus_backend.chains("all_reduce", (2, 4)) == (
+  assert lax_torus.chains("all_reduce", (2, 4)) == (
     ((rs, 0), (rs, 1), (ag, 1), (ag, 0)),
     ((rs, 1), (rs, 0), (ag, 0), (ag, 1)),
   )
-  assert lax_torus_backend.chains("all_reduce", (8,)) == (((rs, 0), (ag, 0)),)
+  assert lax_torus.chains("all_reduce", (8,)) == (((rs, 0), (ag, 0)),)
   mesh = mesh_of("2x4")
   f = jax.shard_map(
     lambda v: tc.all_reduce(v, ("x", "y"), implementation="lax_torus"),

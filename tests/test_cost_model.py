@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+from bench import cost_model_report
 from torus_collectives import cost_model as cm
 from torus_collectives import schedule as schedule_lib
 
@@ -161,17 +162,17 @@ def test_invalid_generation_is_rejected():
 
 def test_cli_prints_every_pod_dtype_and_variant(capsys, tmp_path):
   plot = tmp_path / "time_vs_p.png"
-  cm.main(["--alpha", "0", "--plot", str(plot)])
+  cost_model_report.main(["--alpha", "0", "--plot", str(plot)])
   out = capsys.readouterr().out
   assert "not measured" in out
   rows = [line for line in out.splitlines() if line.startswith(("v3 ", "v5e ", "v6e "))]
-  assert len(rows) == 3 * len(cm.DTYPE_BYTES) * len(schedule_lib.Variant)
+  assert len(rows) == 3 * len(cost_model_report.DTYPE_BYTES) * len(schedule_lib.Variant)
   rows_3d = [line for line in out.splitlines() if line.startswith(("v4 ", "v5p "))]
-  assert len(rows_3d) == 4 * len(cm.DTYPE_BYTES) * (len(schedule_lib.Variant) + 2)
+  assert len(rows_3d) == 4 * len(cost_model_report.DTYPE_BYTES) * (len(schedule_lib.Variant) + 2)
   # alpha 0: the split schedule on the physical torus (2-D or 3-D) sits at the bound.
   split = [line.split() for line in rows + rows_3d]
   split = [cols for cols in split if cols[3] == "torus_split" and cols[4] == cols[1]]
-  assert len(split) == len(cm.PODS) * len(cm.DTYPE_BYTES)
+  assert len(split) == len(cost_model_report.PODS) * len(cost_model_report.DTYPE_BYTES)
   assert all(float(cols[-1]) == pytest.approx(1.0) for cols in split)  # alpha 0: at the bound
   assert plot.read_bytes().startswith(b"\x89PNG")
 

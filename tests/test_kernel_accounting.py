@@ -45,10 +45,10 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from torus_collectives.configs import BlockSizes
 from torus_collectives.kernels import batch_norm as kbn
 from torus_collectives.kernels import buffer_layout, torus_kernels
 from torus_collectives.kernels import pallas_backend as kernels
+from torus_collectives.norm.block_sizes import BlockSizes
 
 pytestmark = pytest.mark.interpret
 

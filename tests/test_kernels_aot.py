@@ -20,7 +20,7 @@ pytest.importorskip("libtpu", reason=aot_skip.REASON)
 
 import torus_collectives as tc  # noqa: E402
 from bench import aot_report  # noqa: E402
-from torus_collectives import tuning  # noqa: E402
+from torus_collectives.tuning import tables  # noqa: E402
 
 pytestmark = pytest.mark.aot
 
@@ -129,22 +129,22 @@ def test_resnet50_gradient_is_the_kernels_alone_at_the_traffic_floor(dtype):
 def test_auto_on_tpu_is_xla_unless_a_table_says_otherwise(tmp_path, monkeypatch):
   """Unmeasured, "auto" lowers XLA's all-reduce; a table entry for the device kind and
   torus turns it into the kernels on v5e; on v3, where Pallas cannot run, it stays XLA."""
-  monkeypatch.setenv(tuning.ENV_VAR, str(tmp_path / "cache.json"))
-  monkeypatch.setattr(tuning, "SHIPPED_DIR", tmp_path)
+  monkeypatch.setenv(tables.ENV_VAR, str(tmp_path / "cache.json"))
+  monkeypatch.setattr(tables, "SHIPPED_DIR", tmp_path)
   elements = 2**22  # 16 MiB of float32, above the latency floor of a 4x4 torus
   for topology, uses_pallas in (("v5e:4x4", True), ("v3:4x4", False)):
     mesh = aot_report.topology_mesh(topology)
     lower = lambda m=mesh: aot_report.lower_all_reduce(m, elements, jnp.float32, "auto").as_text()
     assert MOSAIC not in lower(), topology
-    measured = tuning.Entry(
-      "4x4", "all_reduce", "float32", tuning.size_bucket(4 * elements), "pallas", {}, 1
+    measured = tables.Entry(
+      "4x4", "all_reduce", "float32", tables.size_bucket(4 * elements), "pallas", {}, 1
     )
     kind = mesh.devices.flat[0].device_kind
-    tuning.use_table(tuning.Table(kind, "test", tuning.now(), [measured]))
+    tables.use_table(tables.Table(kind, "test", tables.now(), [measured]))
     try:
       assert (MOSAIC in lower()) == uses_pallas, topology
     finally:
-      tuning.use_table(None)
+      tables.use_table(None)
 
 
 def test_pallas_on_v3_is_refused_before_compiling():

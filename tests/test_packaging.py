@@ -52,7 +52,7 @@ def test_wheel_has_one_top_level_package(wheel):
   assert top_level == {"torus_collectives"}
   assert "torus_collectives/kernels/torus_kernels.py" in names
   assert "torus_collectives/kernels/pallas_backend.py" in names
-  assert any(n.startswith("torus_collectives/tuned/") and n.endswith(".json") for n in names)
+  assert any(n.startswith("torus_collectives/tuning/tuned/") and n.endswith(".json") for n in names)
   assert not any(
     n.startswith(("torus_collectives/resnet", "torus_collectives/bench")) for n in names
   )
@@ -151,7 +151,7 @@ CORE_PROGRAM = textwrap.dedent(
   import jax, jax.numpy as jnp, numpy as np
   from jax.sharding import AxisType, PartitionSpec as P
   import torus_collectives as tc
-  import torus_collectives.tune
+  import torus_collectives.tuning.tuner
 
   for missing in ("optax", "flax", "matplotlib"):
     try:

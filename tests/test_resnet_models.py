@@ -1,5 +1,5 @@
 """The ResNet's norm is a field: flax.linen.BatchNorm (the benchmarks' baseline) and
-torus_collectives.nn.BatchNorm over the whole mesh make the same variables and outputs."""
+torus_collectives.norm.linen.BatchNorm over the whole mesh make the same variables and outputs."""
 
 import functools
 

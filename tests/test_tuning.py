@@ -18,11 +18,12 @@ from collective_cases import mesh_of, small_integers
 from jax import lax
 
 import torus_collectives as tc
-from torus_collectives import registry, timing, tune, tuning
+from torus_collectives import registry
+from torus_collectives.tuning import tables, timing, tuner
 
 MiB = 2**20
 AXES = ("x", "y")
-SHIPPED_CPU = tuning.SHIPPED_DIR / "cpu.json"  # before the fixture below hides it
+SHIPPED_CPU = tables.SHIPPED_DIR / "cpu.json"  # before the fixture below hides it
 
 
 pytestmark = pytest.mark.usefixtures("isolated_tables")  # tests/conftest.py
@@ -42,12 +43,12 @@ def _fake_timer(seconds: dict[str, list[float]]):
 
 
 def _fake_case(op="all_reduce", nbytes=16 * MiB):
-  return tune.Case(op, "float32", nbytes, (2, 4), f"fake {op}", lambda name: lambda: None)
+  return tuner.Case(op, "float32", nbytes, (2, 4), f"fake {op}", lambda name: lambda: None)
 
 
 def _table(choice, op="all_reduce", bucket=24, device_kind="cpu", **changes):
-  entry = tuning.Entry("2x4", op, "float32", bucket, choice, {choice: 0.5}, 5)
-  table = tuning.Table(device_kind, "test machine", tuning.now(), [entry])
+  entry = tables.Entry("2x4", op, "float32", bucket, choice, {choice: 0.5}, 5)
+  table = tables.Table(device_kind, "test machine", tables.now(), [entry])
   return dataclasses.replace(table, **changes)
 
 
@@ -67,12 +68,12 @@ def _auto(op="all_reduce", nbytes=16 * MiB, dtype=jnp.float32):
 # The decision rule.
 
 
-def _runs(*per_run, rounds=tuning.MIN_ROUNDS, processes=None):
+def _runs(*per_run, rounds=tables.MIN_ROUNDS, processes=None):
   """One run per mapping of candidate -> ratio (every round the same), each from its own
   process unless ``processes`` names them."""
   processes = processes or [f"process-{i}" for i in range(len(per_run))]
   return [
-    tuning.Run.of({n: [r] * rounds for n, r in ratios.items()}, process=proc)
+    tables.Run.of({n: [r] * rounds for n, r in ratios.items()}, process=proc)
     for ratios, proc in zip(per_run, processes)
   ]
 
@@ -86,7 +87,7 @@ def _runs(*per_run, rounds=tuning.MIN_ROUNDS, processes=None):
     (_runs({"shard_map": 1.00}, {"shard_map": 1.00}), "xla"),  # a tie
     (_runs({"shard_map": 0.50}), "xla"),  # one run: one process's word
     (_runs({"shard_map": 0.5}, {"shard_map": 0.5}, processes=["a", "a"]), "xla"),  # same one
-    (_runs({"shard_map": 0.5}, {"shard_map": 0.5}, rounds=tuning.MIN_ROUNDS - 1), "xla"),
+    (_runs({"shard_map": 0.5}, {"shard_map": 0.5}, rounds=tables.MIN_ROUNDS - 1), "xla"),
     (_runs({"shard_map": 1.70, "lax_torus": 1.20}, {"shard_map": 1.7, "lax_torus": 1.2}), "xla"),
     (  # the lowest worst-case bound of those that pass both
       _runs({"shard_map": 0.80, "lax_torus": 0.60}, {"shard_map": 0.80, "lax_torus": 0.90}),
@@ -99,23 +100,23 @@ def _runs(*per_run, rounds=tuning.MIN_ROUNDS, processes=None):
   ids=lambda v: "" if isinstance(v, list) else v,
 )
 def test_decide(runs, expected):
-  assert tuning.decide(runs) == expected
+  assert tables.decide(runs) == expected
 
 
 def test_only_the_newest_run_of_each_process_counts():
   old_fluke, a, b = _runs({"shard_map": 0.5}, {"shard_map": 1.2}, {"shard_map": 0.5})
-  assert tuning.decide([old_fluke, a, b]) == "xla"  # newest two: a fails
+  assert tables.decide([old_fluke, a, b]) == "xla"  # newest two: a fails
   again = dataclasses.replace(a, ci_high={"shard_map": 0.5})
-  assert tuning.decide([old_fluke, a, b, again]) == "shard_map"  # a's process re-measured
+  assert tables.decide([old_fluke, a, b, again]) == "shard_map"  # a's process re-measured
 
 
 def test_bootstrap_bound_is_deterministic_and_above_the_median():
   ratios = np.random.default_rng(3).lognormal(0.0, 0.2, 25)
-  bound = tuning.ci_high(ratios)
-  assert bound == tuning.ci_high(list(ratios))
+  bound = tables.ci_high(ratios)
+  assert bound == tables.ci_high(list(ratios))
   assert bound > np.median(ratios)
-  assert tuning.ci_high([0.8] * 12) == pytest.approx(0.8)
-  assert tuning.ci_high([]) == tuning.ci_high([0.5, float("inf")]) == float("inf")
+  assert tables.ci_high([0.8] * 12) == pytest.approx(0.8)
+  assert tables.ci_high([]) == tables.ci_high([0.5, float("inf")]) == float("inf")
 
 
 def test_median_of_per_round_ratios_survives_a_noisy_round():
@@ -155,14 +156,14 @@ def _noisy_timer(true_ratios: dict[str, float], seed: int):
 def _noisy_decision(true_ratios: dict[str, float], seed: int) -> str:
   """The rule's choice from MIN_RUNS runs of the noisy timer, each its own "process"."""
   runs = []
-  for i in range(tuning.MIN_RUNS):
+  for i in range(tables.MIN_RUNS):
     names = ("xla", "shard_map", "lax_torus")
     timed = timing.Interleaved(
       {n: lambda: None for n in names}, _noisy_timer(true_ratios, seed * 100 + i)
-    ).run(tune.DEFAULT_ROUNDS)
+    ).run(tuner.DEFAULT_ROUNDS)
     ratios = {n: timed.round_ratios(n, "xla") for n in names[1:]}
-    runs.append(tuning.Run.of(ratios, process=f"fake-{i}"))
-  return tuning.decide(runs)
+    runs.append(tables.Run.of(ratios, process=f"fake-{i}"))
+  return tables.decide(runs)
 
 
 def test_noise_around_xla_never_picks_a_torus_implementation():
@@ -182,14 +183,14 @@ def test_a_candidate_at_0_8x_is_picked():
 def test_a_fluke_of_one_process_is_not_enough():
   """The shipped table's failure: one process measured 0.77x, others 1.3-1.6x."""
   fluke, honest = _runs({"shard_map": 0.77}), _runs({"shard_map": 1.56}, processes=["p2"])
-  assert tuning.decide(fluke + honest) == "xla"
+  assert tables.decide(fluke + honest) == "xla"
 
 
-def _tune_twice(timer, path, monkeypatch, rounds=tuning.MIN_ROUNDS):
+def _tune_twice(timer, path, monkeypatch, rounds=tables.MIN_ROUNDS):
   """Two tuning calls into the file at ``path``, as two processes would make them."""
   for process in ("first", "second"):
-    monkeypatch.setattr(tuning, "PROCESS", process)
-    table = tune.tune_cases(
+    monkeypatch.setattr(tables, "PROCESS", process)
+    table = tuner.tune_cases(
       [_fake_case()], rounds=rounds, timer=timer, output=str(path), install=False, progress=None
     )
   return table
@@ -210,18 +211,18 @@ def test_tuner_decides_from_fake_timings(shard_map_seconds, expected, tmp_path, 
   assert entry.choice == expected
   assert entry.topology == "2x4" and entry.op == "all_reduce"
   assert [r.process for r in entry.runs] == ["first", "second"]
-  assert entry.rounds == tuning.MIN_ROUNDS
-  assert all(len(r.ratios["shard_map"]) == tuning.MIN_ROUNDS for r in entry.runs)
+  assert entry.rounds == tables.MIN_ROUNDS
+  assert all(len(r.ratios["shard_map"]) == tables.MIN_ROUNDS for r in entry.runs)
   # The file holds the same: the decision and what it rests on.
-  (saved,) = tuning.Table.from_json((tmp_path / "t.json").read_text()).entries
+  (saved,) = tables.Table.from_json((tmp_path / "t.json").read_text()).entries
   assert saved == entry
 
 
 def test_one_tuning_call_alone_keeps_xla(tmp_path):
   timer = _fake_timer({"xla": [1.0], "shard_map": [0.5], "lax_torus": [2.0]})
   for output in ("", str(tmp_path / "t.json")):
-    table = tune.tune_cases(
-      [_fake_case()], rounds=tuning.MIN_ROUNDS, timer=timer, output=output, progress=None
+    table = tuner.tune_cases(
+      [_fake_case()], rounds=tables.MIN_ROUNDS, timer=timer, output=output, progress=None
     )
     (entry,) = table.entries
     assert entry.choice == "xla" and entry.ratios["shard_map"] == pytest.approx(0.5)
@@ -240,11 +241,11 @@ def _measured_table(choice, tmp_path, monkeypatch, seconds):
 def _fresh(seconds, monkeypatch, processes=("fresh-1", "fresh-2")):
   out = []
   for process in processes:
-    monkeypatch.setattr(tuning, "PROCESS", process)
+    monkeypatch.setattr(tables, "PROCESS", process)
     timer = _fake_timer(seconds)
     out.append(
-      tune.tune_cases(
-        [_fake_case()], rounds=tuning.MIN_ROUNDS, timer=timer, output="", progress=None
+      tuner.tune_cases(
+        [_fake_case()], rounds=tables.MIN_ROUNDS, timer=timer, output="", progress=None
       )
     )
   return out
@@ -255,39 +256,39 @@ def test_validation_keeps_what_holds_and_replaces_what_does_not(tmp_path, monkey
   slow = {"xla": [1.0], "shard_map": [1.4], "lax_torus": [2.0]}
   table = _measured_table("shard_map", tmp_path, monkeypatch, fast)
 
-  (still,) = tune.validate(table, _fresh(fast, monkeypatch))
+  (still,) = tuner.validate(table, _fresh(fast, monkeypatch))
   assert still.holds is True and "holds" in still.line()
-  assert tune.without_failures(table, [still]) == table
+  assert tuner.without_failures(table, [still]) == table
 
-  (failed,) = tune.validate(table, _fresh(slow, monkeypatch))
+  (failed,) = tuner.validate(table, _fresh(slow, monkeypatch))
   assert failed.holds is False and "NO LONGER HOLDS" in failed.line()
-  (entry,) = tune.without_failures(table, [failed]).entries
+  (entry,) = tuner.without_failures(table, [failed]).entries
   assert entry.choice == "xla" and entry.runs == failed.fresh
   assert entry.ratios["shard_map"] == pytest.approx(1.4)
 
-  (one,) = tune.validate(table, _fresh(fast, monkeypatch, processes=("only",)))
+  (one,) = tuner.validate(table, _fresh(fast, monkeypatch, processes=("only",)))
   assert one.holds is False and "the rule needs 2" in one.line()
 
 
 def test_validation_of_xla_entries_and_of_what_it_cannot_remeasure(tmp_path, monkeypatch):
   fast = {"xla": [1.0], "shard_map": [0.5], "lax_torus": [2.0]}
   table = _measured_table("xla", tmp_path, monkeypatch, fast)
-  (verdict,) = tune.validate(table, _fresh(fast, monkeypatch))
+  (verdict,) = tuner.validate(table, _fresh(fast, monkeypatch))
   assert verdict.holds is True and "shard_map now passes" in verdict.line()
-  norm = tuning.Entry("2x4", "batch_norm", "float32", 20, "pallas", {}, 10)
-  (skipped,) = tune.validate(dataclasses.replace(table, entries=[norm]), [])
+  norm = tables.Entry("2x4", "batch_norm", "float32", 20, "pallas", {}, 10)
+  (skipped,) = tuner.validate(dataclasses.replace(table, entries=[norm]), [])
   assert skipped.holds is None and "not re-measured" in skipped.line()
-  assert tune.without_failures(table, [skipped]) == table
+  assert tuner.without_failures(table, [skipped]) == table
 
 
 def test_validation_rebuilds_the_cases_of_a_table():
   entries = [
-    tuning.Entry("2x4", "all_gather", "bfloat16", 24, "xla", {}, 10),
-    tuning.Entry("2x4", "all_reduce_gradients", "float32", 24, "xla", {}, 10),
-    tuning.Entry("4x4", "all_reduce", "float32", 24, "xla", {}, 10),  # 16 devices: not here
-    tuning.Entry("2x4", "batch_norm", "float32", 20, "xla", {}, 10),  # no shape recorded
+    tables.Entry("2x4", "all_gather", "bfloat16", 24, "xla", {}, 10),
+    tables.Entry("2x4", "all_reduce_gradients", "float32", 24, "xla", {}, 10),
+    tables.Entry("4x4", "all_reduce", "float32", 24, "xla", {}, 10),  # 16 devices: not here
+    tables.Entry("2x4", "batch_norm", "float32", 20, "xla", {}, 10),  # no shape recorded
   ]
-  cases = tune.validation_cases(tuning.Table("cpu", "m", tuning.now(), entries))
+  cases = tuner.validation_cases(tables.Table("cpu", "m", tables.now(), entries))
   assert set(cases) == {entries[0].key, entries[1].key}
   gather, gradients = cases[entries[0].key], cases[entries[1].key]
   assert (gather.op, gather.dtype, gather.nbytes, gather.torus) == (
@@ -297,34 +298,34 @@ def test_validation_rebuilds_the_cases_of_a_table():
     (2, 4),
   )
   assert (gradients.op, gradients.nbytes) == ("all_reduce_gradients", 16 * MiB)
-  assert tuning.size_bucket(gradients.nbytes) == 24
+  assert tables.size_bucket(gradients.nbytes) == 24
 
 
 def test_the_shipped_table_obeys_the_rule():
   """Every choice of the shipped CPU table is what the rule makes of its recorded runs,
   each from a different process, with the rounds the rule needs."""
-  table = tuning.Table.from_json(SHIPPED_CPU.read_text())
+  table = tables.Table.from_json(SHIPPED_CPU.read_text())
   assert (table.format, table.threshold, table.min_runs) == (
-    tuning.FORMAT,
-    tuning.THRESHOLD,
-    tuning.MIN_RUNS,
+    tables.FORMAT,
+    tables.THRESHOLD,
+    tables.MIN_RUNS,
   )
   assert table.entries
   for entry in table.entries:
-    assert len({r.process for r in entry.runs}) == tuning.MIN_RUNS == len(entry.runs)
-    assert all(r.rounds >= tuning.MIN_ROUNDS for r in entry.runs)
-    assert entry.choice == tuning.decide(entry.runs), entry.key
+    assert len({r.process for r in entry.runs}) == tables.MIN_RUNS == len(entry.runs)
+    assert all(r.rounds >= tables.MIN_ROUNDS for r in entry.runs)
+    assert entry.choice == tables.decide(entry.runs), entry.key
     for run in entry.runs:  # the recorded bounds are those of the recorded ratios
       for name, ratios in run.ratios.items():
-        assert run.ci_high[name] == pytest.approx(tuning.ci_high(ratios), abs=2e-3)
+        assert run.ci_high[name] == pytest.approx(tables.ci_high(ratios), abs=2e-3)
         assert run.median[name] == pytest.approx(np.median(ratios), abs=2e-3)
 
 
 def test_tiny_sizes_are_not_timed_and_stay_xla():
-  floor = tuning.latency_floor_bytes((2, 4), "cpu")
+  floor = tables.latency_floor_bytes((2, 4), "cpu")
   assert 0 < floor < 16 * MiB
   timer = _fake_timer({"xla": [1.0], "shard_map": [0.1], "lax_torus": [0.1]})
-  table = tune.tune_cases(
+  table = tuner.tune_cases(
     [_fake_case(nbytes=floor // 2)],
     rounds=3,
     timer=timer,
@@ -333,7 +334,7 @@ def test_tiny_sizes_are_not_timed_and_stay_xla():
     progress=None,
   )
   assert table.entries == []
-  tuning.use_table(_table("shard_map", bucket=0))  # measured "faster" even at 1 byte
+  tables.use_table(_table("shard_map", bucket=0))  # measured "faster" even at 1 byte
   assert _auto(nbytes=floor // 2) == "xla"
   assert _auto(nbytes=16 * MiB) == "shard_map"
 
@@ -345,16 +346,16 @@ def test_missing_entries_choose_xla_and_say_how_to_tune_once(caplog):
   with caplog.at_level(logging.WARNING, logger="torus_collectives"):
     assert _auto() == "xla"
     assert _auto(op="reduce_scatter") == "xla"
-  hints = [r for r in caplog.records if tuning.TUNE_COMMAND in r.getMessage()]
+  hints = [r for r in caplog.records if tables.TUNE_COMMAND in r.getMessage()]
   assert len(hints) == 1
 
 
 def test_lookup_uses_the_largest_measured_size_not_above():
   entries = [
-    tuning.Entry("2x4", "all_reduce", "float32", 20, "xla", {}, 5),
-    tuning.Entry("2x4", "all_reduce", "float32", 24, "lax_torus", {}, 5),
+    tables.Entry("2x4", "all_reduce", "float32", 20, "xla", {}, 5),
+    tables.Entry("2x4", "all_reduce", "float32", 24, "lax_torus", {}, 5),
   ]
-  tuning.use_table(tuning.Table("cpu", "m", tuning.now(), entries))
+  tables.use_table(tables.Table("cpu", "m", tables.now(), entries))
   assert _auto(nbytes=MiB) == "xla"
   assert _auto(nbytes=8 * MiB) == "xla"
   assert _auto(nbytes=16 * MiB) == "lax_torus"
@@ -363,11 +364,11 @@ def test_lookup_uses_the_largest_measured_size_not_above():
 
 
 def test_precedence_explicit_then_cache_then_shipped(isolated_tables):
-  _table("lax_torus").save(tuning.SHIPPED_DIR / "cpu.json")
+  _table("lax_torus").save(tables.SHIPPED_DIR / "cpu.json")
   assert _auto() == "lax_torus"
-  _table("shard_map").save(tuning.cache_path())
+  _table("shard_map").save(tables.cache_path())
   assert _auto() == "shard_map"
-  tuning.use_table(_table("xla"))
+  tables.use_table(_table("xla"))
   assert _auto() == "xla"
 
 
@@ -376,28 +377,28 @@ def test_precedence_explicit_then_cache_then_shipped(isolated_tables):
   [
     ("{not json", "not a tuning table"),
     (json.dumps({"entries": [{"op": 1}]}), "not a tuning table"),
-    (_table("shard_map", format=tuning.FORMAT + 1).to_json(), "format"),
+    (_table("shard_map", format=tables.FORMAT + 1).to_json(), "format"),
     (_table("shard_map", version="0.0.0-other").to_json(), "torus-collectives 0.0.0-other"),
     (_table("shard_map", device_kind="TPU v5 lite").to_json(), "measured on 'TPU v5 lite'"),
   ],
   ids=["corrupt", "malformed", "other-format", "other-version", "other-device"],
 )
 def test_bad_or_foreign_tables_are_ignored_with_a_warning(contents, match):
-  tuning.cache_path().write_text(contents)
-  with pytest.warns(tuning.TuningTableWarning, match=match):
+  tables.cache_path().write_text(contents)
+  with pytest.warns(tables.TuningTableWarning, match=match):
     assert _auto() == "xla"
 
 
 def test_a_table_of_another_device_passed_to_use_table_warns():
-  tuning.use_table(_table("shard_map", device_kind="TPU v5 lite"))
-  with pytest.warns(tuning.TuningTableWarning, match="measured on 'TPU v5 lite'"):
+  tables.use_table(_table("shard_map", device_kind="TPU v5 lite"))
+  with pytest.warns(tables.TuningTableWarning, match="measured on 'TPU v5 lite'"):
     assert _auto() == "xla"
 
 
 def test_shipped_tables_of_other_devices_are_skipped_silently():
-  _table("shard_map", device_kind="TPU v5 lite").save(tuning.SHIPPED_DIR / "v5e.json")
+  _table("shard_map", device_kind="TPU v5 lite").save(tables.SHIPPED_DIR / "v5e.json")
   with warnings.catch_warnings():
-    warnings.simplefilter("error", tuning.TuningTableWarning)
+    warnings.simplefilter("error", tables.TuningTableWarning)
     assert _auto() == "xla"
 
 
@@ -414,7 +415,7 @@ def _program_of_auto(collective):
 def test_short_real_tuning_run_writes_the_table_auto_then_traces(isolated_tables):
   path = isolated_tables / "tuned.json"
   mesh = mesh_of("2x4")
-  table = tune.tune(
+  table = tuner.tune(
     mesh,
     sizes=[MiB],
     dtypes=["float32"],
@@ -423,10 +424,10 @@ def test_short_real_tuning_run_writes_the_table_auto_then_traces(isolated_tables
     output=str(path),
     progress=None,
   )
-  (entry,) = tuning.Table.from_json(path.read_text()).entries
+  (entry,) = tables.Table.from_json(path.read_text()).entries
   assert (entry.topology, entry.op, entry.dtype) == ("2x4", "all_reduce", "float32")
   assert set(entry.ratios) == {"shard_map", "lax_torus"}
-  assert entry.choice == tuning.decide(entry.runs) == "xla"  # one run: never enough
+  assert entry.choice == tables.decide(entry.runs) == "xla"  # one run: never enough
 
   all_reduce = lambda v: tc.all_reduce(v, AXES)
   marks = {
@@ -436,7 +437,7 @@ def test_short_real_tuning_run_writes_the_table_auto_then_traces(isolated_tables
   }
   for choice in ("shard_map", "lax_torus", "xla"):  # the measured choice, then edited ones
     chosen = entry.choice if choice == "xla" else choice
-    tuning.use_table(
+    tables.use_table(
       dataclasses.replace(table, entries=[dataclasses.replace(entry, choice=chosen)])
     )
     program = _program_of_auto(all_reduce)

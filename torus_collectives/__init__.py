@@ -2,20 +2,32 @@
 Scale" (Ying et al., 2018), generalised to 3-D tori, as drop-in replacements for ``jax.lax``
 collectives.
 
-The public API. Layers below it, each importing only the ones after it: ``registry``
-(which implementation runs), then the portable ``shard_map_backend`` and the Pallas
-``kernels`` (imported lazily, only when chosen), then ``schedule``, ``layout``,
-``configs`` and the vma helpers they share.
+This module is the public API. The layout, top to bottom (each layer imports only those
+below it):
+
+* the ops: ``collectives`` (psum, pmean, psum_scatter, all_gather), ``gradients``
+  (``all_reduce_gradients``), ``norm`` (batch norm), ``weight_update`` (``sharded_update``);
+* ``registry``: the backends as data and the one ``resolve`` that picks one per call;
+  ``tuning``, what "auto" measured and the tuner that measures it;
+* the implementations: ``backends`` (portable) and ``kernels`` (Pallas, loaded only when
+  chosen), on ``primitives`` (their JAX transformation rules);
+* the shared facts: ``schedule`` (the algorithm as data), ``layout``, ``groups``,
+  ``topology``, ``configs``, ``target`` (the device being traced for), ``cost_model`` (its
+  alpha-beta prices), ``xla_settings``, and the private-jax and vma helpers.
+
+A subpackage groups modules that serve one feature and are read together (batch norm's
+op, reference passes, tunable and flax module; the tuner with its tables and timing; the
+weight-update sharding with its interpreter); the modules every feature shares stay flat,
+so a newcomer finds the algorithm one level down.
 
 The core needs only jax and numpy. ``sharded_update``, ``ShardedUpdate``, ``lars`` and
 ``scale_by_trust_ratio`` take optax transformations: they load on first use (from
-``weight_update`` and ``trust_ratio``), and without optax say to install the ``optax`` extra.
+``weight_update``), and without optax say to install the ``optax`` extra.
 """
 
 import importlib
 
 from torus_collectives import schedule
-from torus_collectives.batch_norm import batch_norm
 from torus_collectives.collectives import (
   all_gather,
   all_reduce,
@@ -24,9 +36,11 @@ from torus_collectives.collectives import (
   psum_scatter,
   reduce_scatter,
 )
-from torus_collectives.configs import BlockSizes, KernelConfig
+from torus_collectives.configs import KernelConfig
 from torus_collectives.gradients import all_reduce_gradients
 from torus_collectives.groups import group_sum, resolve_tile
+from torus_collectives.norm.batch_norm import batch_norm
+from torus_collectives.norm.block_sizes import BlockSizes
 from torus_collectives.registry import (
   IMPLEMENTATIONS,
   Implementation,
@@ -34,8 +48,8 @@ from torus_collectives.registry import (
   auto_rounding_bound,
   bitwise_as_lax,
 )
-from torus_collectives.shard_interpreter import UnshardableTransformError
 from torus_collectives.topology import make_torus_mesh
+from torus_collectives.weight_update.interpreter import UnshardableTransformError
 
 __all__ = [
   "IMPLEMENTATIONS",
@@ -66,10 +80,10 @@ __all__ = [
 
 # Names that need optax: module each lives in, imported on first access.
 _NEEDS_OPTAX = {
-  "sharded_update": "torus_collectives.weight_update",
-  "ShardedUpdate": "torus_collectives.weight_update",
-  "lars": "torus_collectives.trust_ratio",
-  "scale_by_trust_ratio": "torus_collectives.trust_ratio",
+  "sharded_update": "torus_collectives.weight_update.sharded_update",
+  "ShardedUpdate": "torus_collectives.weight_update.sharded_update",
+  "lars": "torus_collectives.weight_update.trust_ratio",
+  "scale_by_trust_ratio": "torus_collectives.weight_update.trust_ratio",
 }
 
 

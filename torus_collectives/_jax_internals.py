@@ -6,7 +6,7 @@ moving to another jax series. They are imported from ``jax._src`` rather than
 package's core must not (Pallas loads only with the kernels).
 
 * ``Primitive``, ``Literal``, ``Jaxpr``, ``Tracer``: defining the collectives' primitives
-  and reading traced jaxprs (``primitives``, ``_vma``, ``shard_interpreter``).
+  and reading traced jaxprs (``primitives``, ``_vma``, ``weight_update.interpreter``).
 * ``get_axis_env``: the named axes bound where a collective is called (``collectives``).
 * ``pvary``: the transpose of an invariant collective (``primitives``).
 * ``production_order``: where in the traced program each gradient leaf was computed, so
@@ -14,7 +14,7 @@ package's core must not (Pallas loads only with the kernels).
 * ``backends_initialized``: whether it is too late to pass flags to libtpu
   (``xla_settings``).
 * ``check_vma``, ``auto_pcast``, ``pallas_tpu_interpret_mode``: flags of the enclosing
-  ``shard_map`` and interpret-mode context (``_vma``, ``collectives``, ``platform``).
+  ``shard_map`` and interpret-mode context (``_vma``, ``collectives``, ``target``).
 * ``bool_state``: a jax config option of the package's own, keyed into jit's cache
   (``registry.bitwise_as_lax``).
 """

@@ -1,24 +1,22 @@
-"""Kernel tunables that callers may pass: ``KernelConfig`` (torus collectives) and
-``BlockSizes`` (batch norm), with their defaults per shape and TPU generation.
+"""The torus kernels' tunables that callers may pass, ``KernelConfig``, with its defaults
+per shape and TPU generation, and the VMEM sizes of each generation that every kernel
+sizes its blocks by (batch norm's ``BlockSizes`` too, in ``norm.block_sizes``).
 
 They live in the core, not beside the kernels, so that the public API can take and
-validate them (``config=``, ``block_sizes=``) without importing Pallas. Both are frozen,
-self-validating dataclasses: a bad value raises ``ValueError`` when constructed.
+validate them (``config=``) without importing Pallas. ``KernelConfig`` is a frozen,
+self-validating dataclass: a bad value raises ``ValueError`` when constructed.
 
 The torus kernels move data HBM to HBM with remote DMAs and stream the reductions through
 VMEM in blocks of ``block_rows`` x 128 lanes. A block is the unit of VMEM traffic: four
 blocks (the own partial sum and the received one, each double-buffered) are resident at a
-time, plus their float32 sum when the buffer holds a 16-bit type. The batch-norm passes
-tile the activation, viewed in XLA's TPU layout as ``[rows, sublanes, channels]``
-(``layout.bn_view``), into ``block_rows`` x sublanes x ``block_channels`` blocks.
+time, plus their float32 sum when the buffer holds a 16-bit type.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from torus_collectives.layout import LANES, SUBLANES, ceil_div
+from torus_collectives.layout import LANES, ceil_div
 
 # Sublane tiling of a (rows, 128) VMEM block: 8 rows for 32-bit types, 16 for bfloat16.
 # Every block is a multiple of 16 rows so one config serves all supported dtypes.
@@ -38,9 +36,6 @@ _FALLBACK_SCOPED_VMEM_BYTES = 16 << 20
 # Pieces per reduce-scatter slab the default aims for: the link idles for one piece's add
 # per ring phase (modelled as 1/PIECES of the unpipelined add time; see cost_model).
 PIECES = 8
-
-# Batch norm: the widest channel block.
-BN_MAX_BLOCK_CHANNELS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,48 +112,3 @@ def vmem_bytes(device_kind: str) -> int:
 def scoped_vmem_bytes(device_kind: str) -> int:
   """XLA's default scoped-VMEM limit for a TPU generation (16 MiB where unknown)."""
   return _SCOPED_VMEM_BYTES.get(device_kind, _FALLBACK_SCOPED_VMEM_BYTES)
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-  """Block shape of every batch-norm pass over the kernels' ``[R, S, C]`` view of the
-  activation (``layout.bn_view``: ``[H*W, N, C]`` for NHWC in XLA's convolution layout).
-
-  Attributes:
-    block_rows: leading rows of the view per block (each holds S x C elements).
-    block_channels: channels per block: all of them, or a multiple of 128 dividing them.
-  """
-
-  block_rows: int
-  block_channels: int
-
-  def __post_init__(self):
-    if self.block_rows < 1 or self.block_channels < 1:
-      raise ValueError(f"block sizes must be positive, got {self}")
-
-  @classmethod
-  def default(cls, view_shape: tuple[int, int, int], device_kind: str) -> BlockSizes:
-    """At most ``BN_MAX_BLOCK_CHANNELS`` lanes, and rows for (scoped VMEM) / 64 elements,
-    2**18 on the 16 MiB of v4/v5e/v5p: a pass holds up to three double-buffered
-    activation blocks and a few float32 temporaries of one, about 40 bytes an element."""
-    rows, sublanes, channels = view_shape
-    block_channels = channels
-    if channels > BN_MAX_BLOCK_CHANNELS and channels % LANES == 0:
-      block_channels = math.gcd(channels, BN_MAX_BLOCK_CHANNELS)
-    # A block's VMEM footprint: sublanes and lanes padded to whole (8, 128) tiles.
-    tile = ceil_div(sublanes, SUBLANES) * SUBLANES * ceil_div(block_channels, LANES) * LANES
-    block_rows = max(1, scoped_vmem_bytes(device_kind) // 64 // tile)
-    return cls(block_rows=min(block_rows, rows), block_channels=block_channels)
-
-  def check(self, view_shape: tuple[int, int, int]) -> None:
-    """Raises ValueError unless these blocks tile a ``[rows, sublanes, channels]`` view."""
-    rows, _, channels = view_shape
-    if channels % self.block_channels or (
-      self.block_channels != channels and self.block_channels % LANES
-    ):
-      raise ValueError(
-        f"block_channels={self.block_channels} must divide {channels=} and be a "
-        f"multiple of {LANES} or all of them"
-      )
-    if self.block_rows > rows:
-      raise ValueError(f"block_rows={self.block_rows} must be at most the view's {rows=}")

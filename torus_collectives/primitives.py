@@ -37,7 +37,7 @@ from jax import lax
 from jax.interpreters import ad, batching, mlir
 
 from torus_collectives import _jax_internals as jax_internals
-from torus_collectives import platform, registry
+from torus_collectives import registry, target
 from torus_collectives._vma import vma_checked
 from torus_collectives.layout import accumulation_dtype
 
@@ -78,7 +78,7 @@ def lowering(kind, x, *, axes, sizes, tile, impl, config, invariant):
 
 def _effects(kind, aval, params):
   """The backend's effects: none, except the callbacks of TPU interpret mode."""
-  if params["impl"] != "pallas" or not platform.interpret_mode_active():
+  if params["impl"] != "pallas" or not target.interpret_mode_active():
     return set()
   return set(jax.make_jaxpr(functools.partial(lowering, kind, **params))(aval).effects)
 

@@ -4,15 +4,15 @@ Four ops have implementations: the three collectives (``all_reduce``, ``reduce_s
 ``all_gather``) and ``batch_norm``; the gradient summation of a pytree
 (``all_reduce_gradients``) is tuned as a fifth op and runs the all-reduce it picks.
 
-* ``"xla"``: ``jax.lax`` for the collectives, the jnp passes of ``batch_norm_passes`` (fused
+* ``"xla"``: ``jax.lax`` for the collectives, the jnp passes of ``norm.passes`` (fused
   by XLA) for batch norm. The reference; runs everywhere, on whatever lax accepts.
 * ``"shard_map"``: the torus schedule executed with ``lax.ppermute`` (collectives only).
 * ``"lax_torus"``: the torus schedule's phases as per-axis ``lax.psum_scatter`` /
-  ``lax.all_gather`` (collectives only; ``lax_torus_backend``).
+  ``lax.all_gather`` (collectives only; ``backends.lax_torus``).
 * ``"pallas"``: the remote-DMA torus kernels and the fused batch-norm kernels of
   ``torus_collectives.kernels``; TPU v4 and newer, or TPU interpret mode on any host.
 * ``"auto"``: one rule for every op, ``auto_implementation``: what the tuner measured
-  (``tuning``), XLA where nothing was measured, and XLA without measuring below the size at
+  (``tuning.tables``), XLA where nothing was measured, and XLA without measuring below the size at
   which the cost model's latency term dominates. An op or dtype the measured choice does not
   support falls back to XLA. Batch norm is XLA whatever was measured: timed alone its
   Pallas kernels beat XLA's fusions, but inside a network XLA fuses batch norm into the
@@ -47,9 +47,10 @@ import jax
 import jax.numpy as jnp
 
 from torus_collectives import _jax_internals as jax_internals
-from torus_collectives import platform, tuning
-from torus_collectives.batch_norm_passes import REFERENCE, Passes
+from torus_collectives import target
 from torus_collectives.configs import KernelConfig
+from torus_collectives.norm.passes import REFERENCE, Passes
+from torus_collectives.tuning import tables
 
 Implementation = Literal["auto", "xla", "shard_map", "lax_torus", "pallas"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(Implementation)
@@ -94,8 +95,8 @@ def candidates(op: str, dtype, device_kind: str | None = None) -> tuple[str, ...
   TPU interpret mode.
   """
   if device_kind is None:
-    device_kind = platform.target_device().device_kind
-  pallas = platform.pallas_compiles_for(device_kind) or platform.interpret_mode_active()
+    device_kind = target.target_device().device_kind
+  pallas = target.pallas_compiles_for(device_kind) or target.interpret_mode_active()
   return tuple(
     name
     for name in IMPLEMENTATIONS
@@ -200,7 +201,7 @@ def auto_implementation(
   axis sizes ``torus`` (batch norm: the group's tile), on the traced-for device.
 
   XLA unless a tuning table holds a measurement for this (device kind, topology, op,
-  dtype, size) that picked a torus implementation (see ``tuning`` for the rule). Without
+  dtype, size) that picked a torus implementation (see ``tuning.tables`` for the rule). Without
   ``nbytes`` nothing can be looked up: XLA. Batch norm: always XLA. Floating dtypes while
   ``bitwise_as_lax`` is on: XLA.
 
@@ -209,14 +210,14 @@ def auto_implementation(
   * where it runs XLA, its result is lax's, bitwise: it calls lax with the arguments as
     given;
   * where a table picks a torus implementation, that implementation beat XLA in the
-    table's measurements by the rule of ``tuning``, and its result is lax's within
+    table's measurements by the rule of ``tuning.tables``, and its result is lax's within
     rounding: ``|auto - lax| <= auto_rounding_bound(op, dtype, p) * sum_i |x_i|`` per
     element (about ``(p - 1) * eps * sum_i |x_i|``); bitwise for all-gathers and for
     integer and boolean dtypes.
   """
   if op not in TUNED_OPS:
     raise ValueError(f"unknown {op=}: one of {TUNED_OPS}")
-  device_kind = platform.target_device().device_kind
+  device_kind = target.target_device().device_kind
   if nbytes is None or len(torus) > MAX_TORUS_AXES or len(candidates(op, dtype, device_kind)) < 2:
     return "xla"
   if _keep_on_xla(dtype):
@@ -229,11 +230,11 @@ def auto_implementation(
     # a multiple of 8, C a multiple of 128), the "auto-measured" row under an earlier rule
     # that ran them there. So "auto" never picks them; ``implementation="pallas"`` does.
     return "xla"
-  if nbytes < tuning.latency_floor_bytes(tuple(torus), device_kind):
+  if nbytes < tables.latency_floor_bytes(tuple(torus), device_kind):
     return "xla"
-  choice = tuning.lookup(device_kind, torus, op, dtype, nbytes)
+  choice = tables.lookup(device_kind, torus, op, dtype, nbytes)
   if choice is None:
-    tuning.log_unmeasured(device_kind, tuple(torus))
+    tables.log_unmeasured(device_kind, tuple(torus))
     return "xla"
   return choice if choice in candidates(op, dtype, device_kind) else "xla"
 
@@ -399,11 +400,11 @@ def collective_backend(name: str, config: KernelConfig | None = None) -> Collect
   ``config`` tunes the Pallas kernels; the other implementations have nothing to tune.
   """
   if name == "shard_map":
-    from torus_collectives import shard_map_backend as impl
+    from torus_collectives.backends import shard_map as impl
 
     return CollectiveBackend(impl.reduce_scatter, impl.all_gather, impl.all_reduce)
   if name == "lax_torus":
-    from torus_collectives import lax_torus_backend as impl
+    from torus_collectives.backends import lax_torus as impl
 
     return CollectiveBackend(impl.reduce_scatter, impl.all_gather, impl.all_reduce)
   if name == "pallas":

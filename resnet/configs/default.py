@@ -59,7 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Gradient summation backend of torus_collectives ('auto', 'xla', 'shard_map', ...).
   c.grad_implementation = 'auto'
   # Time the gradient summation and batch norms of this model on this mesh before training
-  # (resnet/tuning.py); 'auto' runs a torus implementation once it beat XLA with confidence
+  # (resnet/pretune.py); 'auto' runs a torus implementation once it beat XLA with confidence
   # here in two runs from different processes (this one and an earlier one in the cache).
   c.tune = False
   # Cross-replica weight-update sharding (tc.sharded_update): reduce-scatter the gradients,

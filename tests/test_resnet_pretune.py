@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 from collective_cases import mesh_of
 
-from resnet import models, train, tuning
+from resnet import models, pretune, train
 
 pytestmark = pytest.mark.usefixtures("isolated_tables")  # tests/conftest.py
 
@@ -26,7 +26,7 @@ def _tiny(mesh):
 def test_batch_norm_shapes_are_the_inputs_of_every_batch_norm():
   model, state = _tiny(mesh_of("2x4"))
   variables = {"params": state.params, "batch_stats": state.batch_stats}
-  shapes = tuning.batch_norm_shapes(model, variables, (4, 16, 16, 3))
+  shapes = pretune.batch_norm_shapes(model, variables, (4, 16, 16, 3))
   # stem + 4 bottleneck blocks of 3 norms each, + one projection norm per block.
   assert len(shapes) == 1 + 4 * 4
   assert shapes[0] == ((4, 8, 8, 8), jnp.float32)  # stem: 7x7/2 conv, 8 filters
@@ -42,7 +42,7 @@ def test_tune_model_logs_what_each_op_got(tmp_path):
 
   mesh = mesh_of("2x4")
   model, state = _tiny(mesh)
-  choices = tuning.tune_model(
+  choices = pretune.tune_model(
     model,
     state,
     mesh,
@@ -54,6 +54,6 @@ def test_tune_model_logs_what_each_op_got(tmp_path):
   )
   assert any(op.startswith("all_reduce_gradients ResNet") for op in choices)
   variables = {"params": state.params, "batch_stats": state.batch_stats}
-  distinct = set(tuning.batch_norm_shapes(model, variables, (4, 16, 16, 3)))
+  distinct = set(pretune.batch_norm_shapes(model, variables, (4, 16, 16, 3)))
   assert sum(op.startswith("batch_norm float32") for op in choices) == len(distinct) == 11
   assert set(choices.values()) == {"xla"}

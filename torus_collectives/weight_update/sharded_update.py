@@ -29,7 +29,7 @@ structure, so masks (callables on the tree or trees of booleans, e.g. LARS's ker
 weight decay and trust ratio) select exactly the leaves they select unsharded.
 
 Which transformations are exact. The inner transformation is traced on the leaves' full
-shapes and its jaxpr is run on the shards by ``shard_interpreter``: elementwise arithmetic
+shapes and its jaxpr is run on the shards by ``weight_update.interpreter``: elementwise arithmetic
 runs on the shards; a reduction over a whole leaf or across leaves (a norm, a mean, a
 max: ``clip_by_global_norm``, ``lamb``, ``optax.lars``, ``novograd``, ``fromage``,
 Adafactor's RMS clipping and parameter scale, a ``jnp.sum`` written by hand) becomes the
@@ -89,7 +89,7 @@ from torus_collectives.collectives import AxisName, all_gather, reduce_scatter
 from torus_collectives.gradients import DEFAULT_BUCKET_BYTES, _buckets
 from torus_collectives.layout import ceil_div, pad_to
 from torus_collectives.registry import Implementation
-from torus_collectives.shard_interpreter import Interpreter, Sharded, Shards, replicated
+from torus_collectives.weight_update.interpreter import Interpreter, Sharded, Shards, replicated
 
 optax = require("optax", "weight_update")
 

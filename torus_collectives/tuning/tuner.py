@@ -1,29 +1,29 @@
 """The tuner: times every implementation "auto" could pick, here, and writes the table.
 
-  python -m torus_collectives.tune [--mesh 2x4] [--sizes 1MiB,4MiB,16MiB]
+  python -m torus_collectives.tuning [--mesh 2x4] [--sizes 1MiB,4MiB,16MiB]
       [--dtypes float32,bfloat16] [--rounds 25] [--runs 2] [--output PATH]
-  python -m torus_collectives.tune --validate TABLE [--write [PATH]]
+  python -m torus_collectives.tuning --validate TABLE [--write [PATH]]
 
 For each op (all_reduce, reduce_scatter, all_gather, the gradient summation of a pytree,
 batch norm), dtype and size on the current mesh, the concrete implementations that run here
-(``registry.candidates``) are timed against XLA with ``timing.Interleaved``, which gives
+(``registry.candidates``) are timed against XLA with ``tuning.timing.Interleaved``, which gives
 per-round time ratios. One such tuning of every case is a *run*; the command line times
-``--runs`` (``tuning.MIN_RUNS``) runs, each in a fresh subprocess, into the same table, and
-``tuning.decide`` picks a torus implementation only if it beats XLA with confidence in
-every one of them (the rule: ``tuning``). Cases where only XLA runs, or below the latency
+``--runs`` (``tables.MIN_RUNS``) runs, each in a fresh subprocess, into the same table, and
+``tables.decide`` picks a torus implementation only if it beats XLA with confidence in
+every one of them (the rule: ``tuning.tables``). Cases where only XLA runs, or below the latency
 floor where "auto" is XLA by rule, are not timed. Batch norm is timed alone and reported,
 for callers choosing ``implementation="pallas"`` where it stands alone; "auto" keeps XLA
 for it whatever the ratio (``registry.auto_implementation``). The result is a
-``tuning.Table``: written to the user cache (or ``--output``) and printed.
+``tables.Table``: written to the user cache (or ``--output``) and printed.
 
 ``--validate TABLE`` re-measures every entry of a table (``--runs`` fresh runs, each in a
-fresh subprocess) and reports, per entry, whether it still holds (``tuning.holds``);
+fresh subprocess) and reports, per entry, whether it still holds (``tables.holds``);
 ``--write`` then writes the table (to TABLE, or to PATH) with each entry that no longer
 holds replaced by what the rule makes of the fresh runs: XLA, unless another candidate
 passed them all. (Deleting the entry instead would let the next smaller measured size's
 choice cover its size.)
 
-In a program, ``tune_cases`` (and ``tune``, ``tune_for``) add one run, in this process, to
+In a program, ``tune_cases`` (and ``tuning.tuner``, ``tune_for``) add one run, in this process, to
 what the output file already holds, and install the result for this process. Several
 processes: run the same call on every process (as any multi-controller JAX program). Each
 process executes the same programs in the same order; process 0 merges its timings with
@@ -53,11 +53,12 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from torus_collectives import groups, registry, timing, tuning
-from torus_collectives.batch_norm import batch_norm
+from torus_collectives import groups, registry
 from torus_collectives.collectives import all_gather, all_reduce, reduce_scatter
 from torus_collectives.gradients import all_reduce_gradients
+from torus_collectives.norm.batch_norm import batch_norm
 from torus_collectives.topology import make_torus_mesh, most_square_shape
+from torus_collectives.tuning import tables, timing
 
 MiB = 2**20
 DEFAULT_SIZES = (MiB, 4 * MiB, 16 * MiB)
@@ -107,7 +108,7 @@ def collective_case(mesh: Mesh, op: str, dtype, nbytes: int) -> Case:
 
   torus = tuple(mesh.shape[a] for a in axes)
   return Case(
-    op, dtype.name, nbytes, torus, f"{op} {dtype.name} {tuning.size_label(nbytes)}", build
+    op, dtype.name, nbytes, torus, f"{op} {dtype.name} {tables.size_label(nbytes)}", build
   )
 
 
@@ -135,7 +136,7 @@ def gradients_case(mesh: Mesh, tree: Any, label: str = "gradients") -> Case:
 
   torus = tuple(mesh.shape[a] for a in axes)
   name = jnp.dtype(dtype).name
-  text = f"all_reduce_gradients {label}: {len(leaves)} leaves, {tuning.size_label(nbytes)}"
+  text = f"all_reduce_gradients {label}: {len(leaves)} leaves, {tables.size_label(nbytes)}"
   return Case("all_reduce_gradients", name, nbytes, torus, text, build)
 
 
@@ -187,9 +188,9 @@ def _skip_reason(case: Case, names: Sequence[str], device_kind: str) -> str | No
   if len(names) < 2:
     return "only xla runs here"
   if case.op != "batch_norm":
-    floor = tuning.latency_floor_bytes(case.torus, device_kind)
+    floor = tables.latency_floor_bytes(case.torus, device_kind)
     if case.nbytes < floor:
-      return f"below the latency floor ({tuning.size_label(floor)}): xla by rule"
+      return f"below the latency floor ({tables.size_label(floor)}): xla by rule"
   return None
 
 
@@ -210,23 +211,23 @@ def measure(
   out = []
   for i, case in enumerate(cases, 1):
     names = registry.candidates(case.op, case.dtype, device_kind)
-    prefix = f"[{i}/{len(cases)}] {case.label} on {tuning.topology(case.torus)}"
+    prefix = f"[{i}/{len(cases)}] {case.label} on {tables.topology(case.torus)}"
     reason = _skip_reason(case, names, device_kind)
     if reason:
       say(f"{prefix}: {reason}")
       continue
     start = time.perf_counter()
     runs = timing.Interleaved({n: case.build(n) for n in names}, timer).run(rounds)
-    ratios = {n: runs.round_ratios(n, tuning.BASELINE) for n in names if n != tuning.BASELINE}
+    ratios = {n: runs.round_ratios(n, tables.BASELINE) for n in names if n != tables.BASELINE}
     text = ", ".join(
-      f"{n} {np.median(r):.2f}x (CI high {tuning.ci_high(r):.3f})" for n, r in ratios.items()
+      f"{n} {np.median(r):.2f}x (CI high {tables.ci_high(r):.3f})" for n, r in ratios.items()
     )
     say(f"{prefix}: {text} ({time.perf_counter() - start:.1f} s)")
     out.append((case, ratios))
   return out
 
 
-def _from_process_0(table: tuning.Table) -> tuning.Table:
+def _from_process_0(table: tables.Table) -> tables.Table:
   """Process 0's table, on every process: the one table all of them decide from."""
   if jax.process_count() == 1:
     return table
@@ -234,7 +235,7 @@ def _from_process_0(table: tuning.Table) -> tuning.Table:
   size = int(multihost_utils.broadcast_one_to_all(np.array(data.size, np.int32)))
   buffer = data if jax.process_index() == 0 else np.zeros(size, np.int32)
   shared = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
-  return tuning.Table.from_json(shared.astype(np.uint8).tobytes().decode())
+  return tables.Table.from_json(shared.astype(np.uint8).tobytes().decode())
 
 
 def _machine() -> str:
@@ -246,9 +247,9 @@ def _machine() -> str:
   )
 
 
-def _read_table(path: str | os.PathLike) -> tuning.Table | None:
+def _read_table(path: str | os.PathLike) -> tables.Table | None:
   try:
-    return tuning.Table.from_json(pathlib.Path(path).read_text())
+    return tables.Table.from_json(pathlib.Path(path).read_text())
   except (OSError, ValueError):
     return None
 
@@ -261,34 +262,34 @@ def tune_cases(
   output: str | None = None,
   install: bool = True,
   progress: Callable[[str], None] | None = print,
-) -> tuning.Table:
+) -> tables.Table:
   """Measures ``cases`` once (one run, in this process), adds the run to the table at
-  ``output`` and returns the entries of ``cases``, decided by the rule of ``tuning``.
+  ``output`` and returns the entries of ``cases``, decided by the rule of ``tuning.tables``.
 
-  An entry needs ``tuning.MIN_RUNS`` runs from different processes to pick anything but
+  An entry needs ``tables.MIN_RUNS`` runs from different processes to pick anything but
   XLA: the run of this call, and those ``output`` already holds for the same case.
   ``output``: the table to add to and write; "" reads and writes nothing (one run: every
-  choice is XLA); None: the user cache (``tuning.cache_path()``). With several processes,
+  choice is XLA); None: the user cache (``tables.cache_path()``). With several processes,
   process 0's file and timings decide, and every process writes that table.
   ``install``: make the returned entries the table "auto" reads first in this process.
   """
   measured = measure(cases, rounds=rounds, timer=timer, progress=progress)
-  fresh = tuning.Table(
+  fresh = tables.Table(
     device_kind=jax.devices()[0].device_kind,
     machine=_machine(),
-    created=tuning.now(),
+    created=tables.now(),
     entries=[
-      tuning.Entry.from_runs(
-        tuning.topology(case.torus),
+      tables.Entry.from_runs(
+        tables.topology(case.torus),
         case.op,
         case.dtype,
-        tuning.size_bucket(case.nbytes),
-        [tuning.Run.of(ratios)],
+        tables.size_bucket(case.nbytes),
+        [tables.Run.of(ratios)],
       )
       for case, ratios in measured
     ],
   )
-  path = None if output == "" else (tuning.cache_path() if output is None else output)
+  path = None if output == "" else (tables.cache_path() if output is None else output)
   table = fresh if path is None else fresh.merged_into(_read_table(path))
   table = _from_process_0(table)
   if path is not None:
@@ -298,7 +299,7 @@ def tune_cases(
   keys = {e.key for e in fresh.entries}
   mine = dataclasses.replace(table, entries=[e for e in table.entries if e.key in keys])
   if install:
-    tuning.use_table(mine)
+    tables.use_table(mine)
   return mine
 
 
@@ -315,7 +316,7 @@ def tune(
   gradient_trees: Sequence[Any] = (),
   batch_norm_shapes: Sequence[Sequence[int]] = (),
   **kwargs,
-) -> tuning.Table:
+) -> tables.Table:
   """Tunes the collectives (``ops`` x ``dtypes`` x ``sizes``, full buffer bytes), the
   gradient summation of each tree in ``gradient_trees`` and batch norm on each
   per-replica activation shape, on ``mesh`` (default: all devices, most square torus).
@@ -363,7 +364,7 @@ def auto_choice(case: Case, mesh: Mesh) -> str:
 # Validation: does a table still hold?
 
 
-def entry_case(mesh: Mesh, entry: tuning.Entry) -> Case | None:
+def entry_case(mesh: Mesh, entry: tables.Entry) -> Case | None:
   """The case that re-measures ``entry`` on ``mesh`` (at the top of its size bucket,
   ``2**bucket`` bytes; a gradient tree as ``synthetic_gradients`` of that size), or None
   for batch norm, whose activation shape a table does not record ("auto" never runs its
@@ -376,7 +377,7 @@ def entry_case(mesh: Mesh, entry: tuning.Entry) -> Case | None:
   return None
 
 
-def validation_cases(table: tuning.Table) -> dict[tuple, Case]:
+def validation_cases(table: tables.Table) -> dict[tuple, Case]:
   """``entry_case`` of every entry that can be re-measured here, by entry key."""
   out = {}
   for entry in table.entries:
@@ -393,14 +394,14 @@ def validation_cases(table: tuning.Table) -> dict[tuple, Case]:
 class Verdict:
   """What re-measuring one entry found: ``holds`` is None when it was not re-measured."""
 
-  entry: tuning.Entry
-  fresh: list[tuning.Run]
+  entry: tables.Entry
+  fresh: list[tables.Run]
   holds: bool | None
   note: str
 
   def line(self) -> str:
     e = self.entry
-    head = f"{e.topology} {e.op} {e.dtype} {tuning.size_label(2**e.bucket)}: {e.choice}"
+    head = f"{e.topology} {e.op} {e.dtype} {tables.size_label(2**e.bucket)}: {e.choice}"
     if self.holds is None:
       return f"{head}: not re-measured ({self.note})"
     figures = "; ".join(
@@ -411,7 +412,7 @@ class Verdict:
     return f"{head}: {verdict} (fresh runs, median [CI high]: {figures}){self.note}"
 
 
-def validate(table: tuning.Table, fresh: Sequence[tuning.Table]) -> list[Verdict]:
+def validate(table: tables.Table, fresh: Sequence[tables.Table]) -> list[Verdict]:
   """Judges every entry of ``table`` on the runs of the same case in ``fresh`` (tables of
   re-measurements, one run each, from different processes)."""
   verdicts = []
@@ -425,22 +426,22 @@ def validate(table: tuning.Table, fresh: Sequence[tuning.Table]) -> list[Verdict
       )
       verdicts.append(Verdict(entry, [], None, why))
       continue
-    ok = tuning.holds(entry, runs)
+    ok = tables.holds(entry, runs)
     note = ""
-    if len(tuning.kept_runs(runs)) < tuning.MIN_RUNS:
-      note = f"; only {len(runs)} fresh run(s), the rule needs {tuning.MIN_RUNS}"
-    elif entry.choice == tuning.BASELINE and tuning.passing(runs):
-      note = f"; {', '.join(tuning.passing(runs))} now passes: tune again to use it"
+    if len(tables.kept_runs(runs)) < tables.MIN_RUNS:
+      note = f"; only {len(runs)} fresh run(s), the rule needs {tables.MIN_RUNS}"
+    elif entry.choice == tables.BASELINE and tables.passing(runs):
+      note = f"; {', '.join(tables.passing(runs))} now passes: tune again to use it"
     verdicts.append(Verdict(entry, runs, ok, note))
   return verdicts
 
 
-def without_failures(table: tuning.Table, verdicts: Sequence[Verdict]) -> tuning.Table:
+def without_failures(table: tables.Table, verdicts: Sequence[Verdict]) -> tables.Table:
   """``table`` with each entry that no longer holds replaced by the rule's entry of its
   fresh runs."""
   failed = {v.entry.key: v for v in verdicts if v.holds is False}
   entries = [
-    tuning.Entry.from_runs(*e.key, failed[e.key].fresh) if e.key in failed else e
+    tables.Entry.from_runs(*e.key, failed[e.key].fresh) if e.key in failed else e
     for e in table.entries
   ]
   return dataclasses.replace(table, entries=entries)
@@ -463,7 +464,7 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--mesh", help="torus shape, e.g. 2x4 (default: most square)")
   parser.add_argument(
     "--sizes",
-    default=",".join(tuning.size_label(s).replace(" ", "") for s in DEFAULT_SIZES),
+    default=",".join(tables.size_label(s).replace(" ", "") for s in DEFAULT_SIZES),
     help="full buffer sizes per device, e.g. 1MiB,16MiB",
   )
   parser.add_argument("--dtypes", default=",".join(DEFAULT_DTYPES))
@@ -482,11 +483,11 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument(
     "--runs",
     type=int,
-    default=tuning.MIN_RUNS,
+    default=tables.MIN_RUNS,
     help=f"timing runs, each in a fresh subprocess (1: once, in this process; the rule "
-    f"needs {tuning.MIN_RUNS} from different processes)",
+    f"needs {tables.MIN_RUNS} from different processes)",
   )
-  parser.add_argument("--output", help=f"table path (default: {tuning.cache_path()})")
+  parser.add_argument("--output", help=f"table path (default: {tables.cache_path()})")
   parser.add_argument(
     "--validate", metavar="TABLE", help="re-measure every entry of TABLE and report"
   )
@@ -525,12 +526,12 @@ def _child_argv(args: argparse.Namespace, output: str) -> list[str]:
 def _in_fresh_processes(args: argparse.Namespace, outputs: Sequence[str]) -> None:
   for i, output in enumerate(outputs, 1):
     print(f"run {i} of {len(outputs)}, in a fresh process", flush=True)
-    command = [sys.executable, "-m", "torus_collectives.tune", *_child_argv(args, output)]
+    command = [sys.executable, "-m", "torus_collectives.tuning", *_child_argv(args, output)]
     subprocess.run(command, check=True)
 
 
-def _validate_main(args: argparse.Namespace) -> tuning.Table:
-  table = tuning.Table.from_json(pathlib.Path(args.validate).read_text())
+def _validate_main(args: argparse.Namespace) -> tables.Table:
+  table = tables.Table.from_json(pathlib.Path(args.validate).read_text())
   if args.runs > 1:
     with tempfile.TemporaryDirectory() as tmp:
       outputs = [str(pathlib.Path(tmp) / f"run{i}.json") for i in range(args.runs)]
@@ -555,26 +556,26 @@ def _validate_main(args: argparse.Namespace) -> tuning.Table:
     kept = without_failures(table, verdicts)
     kept.save(path)
     print(f"wrote {path}")
-    print(tuning.format_table(kept))
+    print(tables.format_table(kept))
     return kept
   return table
 
 
-def main(argv: Sequence[str] | None = None) -> tuning.Table:
+def main(argv: Sequence[str] | None = None) -> tables.Table:
   args = _parser().parse_args(argv)
   if args.runs < 1 or args.rounds < 1:
     raise SystemExit(f"--runs and --rounds must be positive, got {args.runs}, {args.rounds}")
-  if args.rounds < tuning.MIN_ROUNDS and not args.child:
+  if args.rounds < tables.MIN_ROUNDS and not args.child:
     print(
-      f"note: a run of fewer than {tuning.MIN_ROUNDS} rounds passes nothing: every choice is xla"
+      f"note: a run of fewer than {tables.MIN_ROUNDS} rounds passes nothing: every choice is xla"
     )
   start = time.perf_counter()
   if args.validate:
     table = _validate_main(args)
   elif args.runs > 1:
-    path = args.output or str(tuning.cache_path())
+    path = args.output or str(tables.cache_path())
     _in_fresh_processes(args, [path] * args.runs)
-    table = tuning.Table.from_json(pathlib.Path(path).read_text())
+    table = tables.Table.from_json(pathlib.Path(path).read_text())
   else:
     split = lambda text: [t for t in text.split(",") if t]
     mesh = _mesh(
@@ -595,10 +596,6 @@ def main(argv: Sequence[str] | None = None) -> tuning.Table:
     )
   if not args.child and jax.process_index() == 0:
     if not args.validate:
-      print(tuning.format_table(table))
+      print(tables.format_table(table))
     print(f"done in {time.perf_counter() - start:.0f} s")
   return table
-
-
-if __name__ == "__main__":
-  main(sys.argv[1:])

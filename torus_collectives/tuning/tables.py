@@ -1,14 +1,14 @@
 """The tuning tables that "auto" reads, and the rule that turns timings into a choice.
 
-A table records what ``python -m torus_collectives.tune`` measured on one kind of device:
+A table records what ``python -m torus_collectives.tuning`` measured on one kind of device:
 for each (device kind, topology, op, dtype, size bucket), the implementation "auto" runs
 and the timings behind that choice. "auto" reads, most specific first:
 
-1. a table passed explicitly: ``use_table(path_or_table)`` (``tune`` installs its own);
+1. a table passed explicitly: ``use_table(path_or_table)`` (``tuning.tuner`` installs its own);
 2. the user cache, ``$TORUS_COLLECTIVES_TUNING`` or else
    ``$XDG_CACHE_HOME/torus_collectives/tuning.json`` (``~/.cache/...``), where the tuner
    writes by default;
-3. the tables shipped in the package (``torus_collectives/tuned/*.json``), with the date and
+3. the tables shipped in the package (``torus_collectives/tuning/tuned/*.json``), with the date and
    the machine they were measured on.
 
 The first of them with a measurement for (device kind, topology, op, dtype) at or below the
@@ -18,13 +18,13 @@ the cost model's per-hop latency outweighs its bandwidth term) "auto" is XLA wit
 looking: no schedule can win there against XLA's single fused collective.
 
 Several processes must read the same table, or they would compile different programs:
-``tune`` decides on process 0's timings and installs the result on every process; a file
+``tuning.tuner`` decides on process 0's timings and installs the result on every process; a file
 passed to ``use_table`` must be the same file everywhere.
 
 The decision rule (``decide``), and what it assumes. XLA is the default; a torus
 implementation replaces it only if it beats XLA with confidence, in more than one process:
 
-* One *run* is one tuning of one case in one process: ``timing.Interleaved`` gives
+* One *run* is one tuning of one case in one process: ``tuning.timing.Interleaved`` gives
   ``rounds`` per-round time ratios ``t_candidate / t_xla``. A candidate *passes* a run if
   the upper end of the two-sided bootstrap ``CONFIDENCE`` (95 %) interval of the median of
   those ratios is at most ``THRESHOLD`` (0.95): ``BOOTSTRAP_RESAMPLES`` resamples drawn by
@@ -35,17 +35,17 @@ implementation replaces it only if it beats XLA with confidence, in more than on
   tuner records its process's random id, ``PROCESS``; a newer run from the same process
   replaces the older). The choice is the candidate that passes *every* kept run, with the
   lowest worst-case bound; with fewer than ``MIN_RUNS`` runs, or no candidate passing all,
-  XLA. ``python -m torus_collectives.tune`` therefore times in ``MIN_RUNS`` fresh
-  subprocesses; a tuning call inside a program (``tune.tune_cases``) adds one run to what
+  XLA. ``python -m torus_collectives.tuning`` therefore times in ``MIN_RUNS`` fresh
+  subprocesses; a tuning call inside a program (``tuning.tuner.tune_cases``) adds one run to what
   its output file already holds, so it takes a second process to confirm a choice.
 * Why two processes: the bootstrap interval accounts for noise between rounds of one run,
   not for what stays fixed within a process (memory layout, thread placement, what else
   the machine runs for minutes). On 8 simulated CPU devices one run put shard_map's bf16
   all-gather of 16 MiB at 0.77x XLA's time; five later runs, each in its own process,
   put its median at 1.56x, 1.22x, 1.50x, 1.07x and 0.99x.
-* Assumptions: rounds of a run are exchangeable (the random order of ``timing`` serves
+* Assumptions: rounds of a run are exchangeable (the random order of ``tuning.timing`` serves
   this), and what a candidate gains over XLA holds for the sizes of its bucket and up to
-  the next measured one (``lookup``). ``python -m torus_collectives.tune --validate TABLE``
+  the next measured one (``lookup``). ``python -m torus_collectives.tuning --validate TABLE``
   re-measures a table and reports whether each entry still holds (``holds``).
 
 What is skipped, and how loudly: a table that cannot be read, or was written by another
@@ -91,7 +91,7 @@ PROCESS = uuid.uuid4().hex[:16]  # this process's id in the runs it records
 ENV_VAR = "TORUS_COLLECTIVES_TUNING"
 SHIPPED_DIR = pathlib.Path(__file__).with_name("tuned")
 BASELINE = "xla"
-TUNE_COMMAND = "python -m torus_collectives.tune"
+TUNE_COMMAND = "python -m torus_collectives.tuning"
 
 _log = logging.getLogger("torus_collectives")
 

@@ -1,10 +1,10 @@
 """Tuning before training (``config.tune``): measure this model's collectives on this mesh.
 
 The gradient summation of the model's parameter tree and batch norm on the activation
-shapes the model normalizes (per replica) are timed with ``torus_collectives.tune.tune_for``
+shapes the model normalizes (per replica) are timed with ``torus_collectives.tuning.tuner.tune_for``
 on every process; process 0's timings and table file decide for all. The run is added to
 the user cache and the result installed, so the train step traced afterwards runs what
-the rule of ``torus_collectives.tuning`` confirms: a torus implementation only once it
+the rule of ``torus_collectives.tuning.tables`` confirms: a torus implementation only once it
 beat XLA with confidence in this run and in an earlier one, from another process, that
 the cache holds. The run log says which implementation each op got.
 """
@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from absl import logging
 from flax import linen as nn
 
-from torus_collectives import nn as tc_nn
-from torus_collectives import tune
+from torus_collectives.norm import linen as tc_nn
+from torus_collectives.tuning import tuner
 
 
 def batch_norm_shapes(model: nn.Module, variables: Any, image_shape) -> list[tuple]:
@@ -55,7 +55,7 @@ def tune_model(
   suffice, e.g. ``jax.eval_shape(init, key)``). Keyword arguments go to ``tune_cases``."""
   variables = {'params': abstract_state.params, 'batch_stats': abstract_state.batch_stats}
   shapes = batch_norm_shapes(model, variables, (per_replica_batch, image_size, image_size, 3))
-  choices = tune.tune_for(
+  choices = tuner.tune_for(
     abstract_state.params,
     shapes,
     mesh,

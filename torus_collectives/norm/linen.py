@@ -4,7 +4,7 @@
 ``use_fast_variance`` and ``force_float32_reductions`` included) and its ``mask=`` call
 argument, the same parameter names ('scale', 'bias') and batch_stats ('mean', 'var'), so
 checkpoints interchange; it adds ``group_size`` and ``implementation`` (see
-``torus_collectives.batch_norm``).
+``torus_collectives.norm.batch_norm``).
 
 Two paths, chosen per call:
 
@@ -13,7 +13,7 @@ Two paths, chosen per call:
   mesh (``group_size``, or ``axis_index_groups`` that are such tiles). Its variance comes
   from one pass over x in HBM (on the XLA path, sums shifted by x's first row; in the
   Pallas kernels, each block centred on its own mean), the replicas' results combined
-  with non-negative terms (``torus_collectives.batch_norm``), whatever
+  with non-negative terms (``torus_collectives.norm.batch_norm``), whatever
   ``use_fast_variance`` says: one pass, like flax's fast variance, yet accurate when the
   mean is large next to the spread (given a first row of typical values); results agree
   with flax's within rounding.
@@ -34,8 +34,8 @@ from flax.linen import dtypes
 from jax import lax
 
 from torus_collectives import groups
-from torus_collectives.batch_norm import batch_norm
 from torus_collectives.collectives import pmean, tile_of_groups
+from torus_collectives.norm.batch_norm import batch_norm
 from torus_collectives.registry import Implementation
 
 

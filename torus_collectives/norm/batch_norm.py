@@ -9,7 +9,7 @@ them, as in Ying et al., "Image Classification at Supercomputer Scale" (2018).
 Forward, per channel, with n rows per replica and N = g * n in the group:
 
 1. each replica computes the mean and M2 = sum((x - mean)**2) of its rows (one HBM pass,
-   numerically sound; ``batch_norm_passes``);
+   numerically sound; ``norm.passes``);
 2. group sum of the local means -> the group mean;
 3. group sum of M2_i + n * (mean_i - mean)**2 -> the group M2, var = M2 / N. Every term
    is non-negative, so no cancellation; the price is a second latency round of C floats;
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from torus_collectives import groups, registry
-from torus_collectives.configs import BlockSizes
+from torus_collectives.norm.block_sizes import BlockSizes
 from torus_collectives.registry import Implementation
 
 

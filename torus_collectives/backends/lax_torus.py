@@ -1,7 +1,7 @@
 """The paper's schedule on XLA's own collectives: per-axis ``lax.psum_scatter`` and
 ``lax.all_gather``.
 
-Where ``shard_map_backend`` executes every ring step of a ``schedule.Schedule`` as a
+Where ``backends.shard_map`` executes every ring step of a ``schedule.Schedule`` as a
 ``lax.ppermute``, this implementation hands each *phase* (a reduce-scatter or all-gather
 along one torus axis) to XLA as one collective over that mesh axis, as Horovod's
 hierarchical all-reduce and Sony's 2D-Torus all-reduce compose vendor collectives. The

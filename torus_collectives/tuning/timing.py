@@ -17,7 +17,7 @@ different moments of the machine: a benchmark whose two rows run the same progra
    per-round ratio* ``t_candidate / t_baseline``: a round slowed by the machine slows both
    (the ratio survives), and a few outlier rounds do not move the median.
 
-The decision rule on top of it (``tuning.decide``) then asks a candidate to beat the
+The decision rule on top of it (``tuning.tables.decide``) then asks a candidate to beat the
 baseline with confidence (a bootstrap interval of that median), in more than one process.
 
 Timers are injectable (``timer(name, call) -> seconds``), so the decision logic can be
