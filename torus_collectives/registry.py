@@ -1,5 +1,11 @@
 """The one registry of implementations: which exist, what each supports, what "auto" picks.
 
+Each implementation is one ``Backend`` record in ``BACKENDS``: its ops and dtypes, what
+it runs (replica groups, torus ranks, ``to=``, partially manual meshes, device kinds) and
+lazy loaders of its functions. Everything that dispatches (the collectives, gradient
+summation, batch norm, ``sharded_update``, the tuner) reads these records, so a new
+backend is one ``register`` call.
+
 Four ops have implementations: the three collectives (``all_reduce``, ``reduce_scatter``,
 ``all_gather``) and ``batch_norm``; the gradient summation of a pytree
 (``all_reduce_gradients``) is tuned as a fifth op and runs the all-reduce it picks.
@@ -12,8 +18,8 @@ Four ops have implementations: the three collectives (``all_reduce``, ``reduce_s
 * ``"pallas"``: the remote-DMA torus kernels and the fused batch-norm kernels of
   ``torus_collectives.kernels``; TPU v4 and newer, or TPU interpret mode on any host.
 * ``"auto"``: one rule for every op, ``auto_implementation``: what the tuner measured
-  (``tuning.tables``), XLA where nothing was measured, and XLA without measuring below the size at
-  which the cost model's latency term dominates. An op or dtype the measured choice does not
+  (``tuning.tables``), XLA where nothing was measured, and XLA without measuring below the
+  size at which the cost model's latency term dominates. An op or dtype the measured choice does not
   support falls back to XLA. Batch norm is XLA whatever was measured: timed alone its
   Pallas kernels beat XLA's fusions, but inside a network XLA fuses batch norm into the
   neighbouring convolutions, which an opaque kernel cannot join (see ``auto_implementation``).
@@ -30,8 +36,9 @@ caller's ``shard_map`` with ``axes`` bound and ``torus`` their sizes (same order
 * ``all_reduce(x, axes, torus)``: ``(n,) -> (n,)`` (``lax.psum(x, axes)``).
 
 A backend that runs replica groups (``axis_index_groups`` that tile the torus) takes
-``tile=`` (the group's extent per axis) as well. ``unsupported`` says which requests each
-torus implementation cannot run; "auto" sends those to XLA.
+``tile=`` (the group's extent per axis) as well, and one with ``kernel_config`` takes
+``config=``. ``unsupported`` reads from its record which requests an implementation cannot
+run; "auto" sends those to XLA, an explicit choice raises.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import dataclasses
 import functools
 import math
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 import jax
@@ -53,7 +60,6 @@ from torus_collectives.norm.passes import REFERENCE, Passes
 from torus_collectives.tuning import tables
 
 Implementation = Literal["auto", "xla", "shard_map", "lax_torus", "pallas"]
-IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(Implementation)
 Op = Literal["all_reduce", "reduce_scatter", "all_gather", "batch_norm"]
 OPS: tuple[str, ...] = typing.get_args(Op)
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
@@ -61,23 +67,162 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 _SUMMED = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32))
 _FLOATS = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
-# The dtypes each implementation supports, per op it implements; None: whatever lax takes.
-SUPPORTED_DTYPES: dict[str, dict[str, tuple[jnp.dtype, ...] | None]] = {
-  "xla": dict.fromkeys(OPS),
-  "shard_map": dict.fromkeys(COLLECTIVES),
-  "lax_torus": dict.fromkeys(COLLECTIVES),
-  "pallas": {**dict.fromkeys(COLLECTIVES, _SUMMED), "batch_norm": _FLOATS},
-}
-
 # The torus implementations run on tori of at most this many named mesh axes (TPU v4 and
 # v5p are 3-D tori).
 MAX_TORUS_AXES = 3
 
 
+@dataclasses.dataclass(frozen=True)
+class CollectiveBackend:
+  """The three collective functions of a backend, on 1-D per-device buffers (see the
+  module docstring for their contract)."""
+
+  reduce_scatter: Callable[..., jax.Array]
+  all_gather: Callable[..., jax.Array]
+  all_reduce: Callable[..., jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """One implementation, as data: what it runs, and how to load it.
+
+  Attributes:
+    name: the ``implementation=`` string.
+    ops: the ops it implements, each with the dtypes it takes (None: whatever lax takes).
+    lax_reference: it *is* lax: the collectives call ``jax.lax`` with the caller's
+      arguments as given, and batch norm runs the jnp passes. No request is refused.
+    replica_groups: which ``axis_index_groups`` it runs: "any" (lax's rule), "tiles"
+      (groups that are aligned tiles of the torus, listed row-major) or "none".
+    max_torus_axes: the most named mesh axes it runs over (None: any number).
+    gather_to: the all-gather ``to=`` values it produces (None: all of lax's).
+    unreduced_inputs: it takes leaves typed unreduced or reduced over the named axes.
+    partial_manual: it runs inside a ``shard_map`` that leaves some mesh axes automatic.
+    runs_on: whether it compiles for a device kind here (read at trace time; the Pallas
+      kernels need TPU v4 or newer, or TPU interpret mode).
+    kernel_config: its collective functions take ``config=`` (a ``KernelConfig``).
+    load_collectives: the three collective functions (imported on first use).
+    load_batch_norm: its per-replica batch-norm passes (imported on first use).
+  """
+
+  name: str
+  ops: Mapping[str, tuple[jnp.dtype, ...] | None]
+  lax_reference: bool = False
+  replica_groups: Literal["any", "tiles", "none"] = "none"
+  max_torus_axes: int | None = MAX_TORUS_AXES
+  gather_to: tuple[str, ...] | None = ("varying", "invarying")
+  unreduced_inputs: bool = False
+  partial_manual: bool = True
+  runs_on: Callable[[str], bool] = lambda device_kind: True
+  kernel_config: bool = False
+  load_collectives: Callable[[], CollectiveBackend] | None = None
+  load_batch_norm: Callable[[], Passes] | None = None
+
+  def supports(self, op: str, dtype) -> bool:
+    """Whether it runs ``op`` on ``dtype``."""
+    return op in self.ops and (self.ops[op] is None or jnp.dtype(dtype) in self.ops[op])
+
+  def dtype_error(self, op: str, dtype, hint: str) -> ValueError:
+    supported = ", ".join(d.name for d in self.ops[op])
+    return ValueError(
+      f"dtype {jnp.dtype(dtype).name} is not supported by {op} "
+      f'implementation="{self.name}" (supported: {supported}); cast the input, or {hint}'
+    )
+
+
+def _load_shard_map() -> CollectiveBackend:
+  from torus_collectives.backends import shard_map as impl
+
+  return CollectiveBackend(impl.reduce_scatter, impl.all_gather, impl.all_reduce)
+
+
+def _load_lax_torus() -> CollectiveBackend:
+  from torus_collectives.backends import lax_torus as impl
+
+  return CollectiveBackend(impl.reduce_scatter, impl.all_gather, impl.all_reduce)
+
+
+def _load_pallas() -> CollectiveBackend:
+  from torus_collectives.kernels import pallas_backend as impl
+
+  return CollectiveBackend(impl.reduce_scatter, impl.all_gather, impl.all_reduce)
+
+
+def _load_pallas_batch_norm() -> Passes:
+  from torus_collectives.kernels import batch_norm as impl
+
+  return impl.PALLAS
+
+
+def _pallas_runs_on(device_kind: str) -> bool:
+  return target.pallas_compiles_for(device_kind) or target.interpret_mode_active()
+
+
+# Every implementation, "xla" (the reference, and what "auto" falls back to) first.
+BACKENDS: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+  """Adds ``backend`` to the registry: every op then dispatches to it by name, "auto"
+  may pick it where a tuning table measured it, and the conformance tests run it."""
+  if backend.name == "auto" or backend.name in BACKENDS:
+    raise ValueError(f"an implementation named {backend.name!r} is registered already")
+  BACKENDS[backend.name] = backend
+  return backend
+
+
+def unregister(name: str) -> None:
+  """Removes a registered backend ("xla" stays)."""
+  if name == "xla":
+    raise ValueError('"xla" is the reference every other implementation falls back to')
+  del BACKENDS[name]
+
+
+register(
+  Backend(
+    "xla",
+    ops=dict.fromkeys(OPS),
+    lax_reference=True,
+    replica_groups="any",
+    max_torus_axes=None,
+    gather_to=None,
+    unreduced_inputs=True,
+    load_batch_norm=lambda: REFERENCE,
+  )
+)
+register(
+  Backend(
+    "shard_map",
+    ops=dict.fromkeys(COLLECTIVES),
+    replica_groups="tiles",
+    load_collectives=_load_shard_map,
+  )
+)
+register(Backend("lax_torus", ops=dict.fromkeys(COLLECTIVES), load_collectives=_load_lax_torus))
+register(
+  Backend(
+    "pallas",
+    ops={**dict.fromkeys(COLLECTIVES, _SUMMED), "batch_norm": _FLOATS},
+    partial_manual=False,
+    runs_on=_pallas_runs_on,
+    kernel_config=True,
+    load_collectives=_load_pallas,
+    load_batch_norm=_load_pallas_batch_norm,
+  )
+)
+
+
+def implementations() -> tuple[str, ...]:
+  """Every ``implementation=`` name: "auto" and each registered backend."""
+  return ("auto", *BACKENDS)
+
+
+# The built-in names (``implementations()`` adds any registered later).
+IMPLEMENTATIONS: tuple[str, ...] = implementations()
+
+
 def supports(implementation: str, op: Op, dtype) -> bool:
   """Whether ``implementation`` (not "auto") runs ``op`` on ``dtype``."""
-  table = SUPPORTED_DTYPES[implementation]
-  return op in table and (table[op] is None or jnp.dtype(dtype) in table[op])
+  return BACKENDS[implementation].supports(op, dtype)
 
 
 # The ops "auto" decides for; gradient summation runs on all-reduce's implementations.
@@ -89,18 +234,14 @@ def _runs_as(op: str) -> Op:
 
 
 def candidates(op: str, dtype, device_kind: str | None = None) -> tuple[str, ...]:
-  """The concrete implementations of ``op`` that run on ``dtype`` here, "xla" first.
-
-  Pallas runs on TPU v4 and newer (``device_kind``, default: the traced-for device) or in
-  TPU interpret mode.
-  """
+  """The registered implementations of ``op`` that run on ``dtype`` for ``device_kind``
+  (default: the traced-for device), "xla" first."""
   if device_kind is None:
     device_kind = target.target_device().device_kind
-  pallas = target.pallas_compiles_for(device_kind) or target.interpret_mode_active()
   return tuple(
     name
-    for name in IMPLEMENTATIONS
-    if name != "auto" and (name != "pallas" or pallas) and supports(name, _runs_as(op), dtype)
+    for name, backend in BACKENDS.items()
+    if backend.supports(_runs_as(op), dtype) and backend.runs_on(device_kind)
   )
 
 
@@ -240,9 +381,11 @@ def auto_implementation(
 
 
 def check_name(implementation: str) -> None:
-  """Raises ValueError unless ``implementation`` is one of ``IMPLEMENTATIONS``."""
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"unknown {implementation=}: implementation must be one of {IMPLEMENTATIONS}")
+  """Raises ValueError unless ``implementation`` is "auto" or a registered backend."""
+  if implementation != "auto" and implementation not in BACKENDS:
+    raise ValueError(
+      f"unknown {implementation=}: implementation must be one of {implementations()}"
+    )
 
 
 def resolve(
@@ -260,15 +403,12 @@ def resolve(
   check_name(implementation)
   if implementation == "auto":
     return auto_implementation(op, dtype, nbytes=nbytes, torus=torus)
-  if op not in SUPPORTED_DTYPES[implementation]:
-    offered = [i for i in IMPLEMENTATIONS if i == "auto" or op in SUPPORTED_DTYPES[i]]
+  backend = BACKENDS[implementation]
+  if op not in backend.ops:
+    offered = ["auto"] + [name for name, b in BACKENDS.items() if op in b.ops]
     raise ValueError(f'{op} has no implementation="{implementation}"; choose one of {offered}')
-  if not supports(implementation, op, dtype):
-    supported = ", ".join(d.name for d in SUPPORTED_DTYPES[implementation][op])
-    raise ValueError(
-      f'dtype {jnp.dtype(dtype).name} is not supported by {op} implementation="{implementation}" '
-      f'(supported: {supported}); cast the input, or use implementation="auto" or "xla"'
-    )
+  if not backend.supports(op, dtype):
+    raise backend.dtype_error(op, dtype, 'use implementation="auto" or "xla"')
   return implementation
 
 
@@ -328,43 +468,46 @@ def lax_unbound_axis_error(op: str, axis) -> NameError:
 
 
 def unsupported(implementation: str, request: CollectiveRequest) -> Exception | None:
-  """Why the torus ``implementation`` cannot run ``request`` (the error to raise), or None."""
+  """Why ``implementation`` cannot run ``request`` (the error to raise), or None: read off
+  its record."""
+  backend = BACKENDS[implementation]
+  if backend.lax_reference:
+    return None
   if request.unbound:
     return lax_unbound_axis_error(request.op, request.unbound[0])
   hint = 'use implementation="auto" (it runs lax here) or "xla"'
   for dtype in request.dtypes:
-    if not supports(implementation, request.op, dtype):
-      supported = ", ".join(d.name for d in SUPPORTED_DTYPES[implementation][request.op])
-      return ValueError(
-        f"dtype {jnp.dtype(dtype).name} is not supported by {request.op} "
-        f'implementation="{implementation}" (supported: {supported}); cast the input, or {hint}'
-      )
+    if not backend.supports(request.op, dtype):
+      return backend.dtype_error(request.op, dtype, hint)
+  name = f'implementation="{implementation}"'
   if request.positional:
-    return ValueError(f'positional (int) axis names are not collectives over devices; {hint}')
-  if request.mesh_axes > MAX_TORUS_AXES:
+    return ValueError(f"positional (int) axis names are not collectives over devices; {hint}")
+  if backend.max_torus_axes is not None and request.mesh_axes > backend.max_torus_axes:
     return NotImplementedError(
-      f'implementation="{implementation}" runs on tori of at most {MAX_TORUS_AXES} mesh axes, '
+      f"{name} runs on tori of at most {backend.max_torus_axes} mesh axes, "
       f"got {request.mesh_axes}; {hint}"
     )
-  if request.groups == "other" or (request.groups and implementation != "shard_map"):
+  if request.groups and backend.replica_groups != "any":
+    if request.groups == "other" or backend.replica_groups == "none":
+      tiles = [n for n, b in BACKENDS.items() if b.replica_groups == "tiles"]
+      return ValueError(
+        f"{name} runs axis_index_groups "
+        + (
+          "only when they are aligned tiles of the torus, listed row-major"
+          if backend.replica_groups == "tiles"
+          else f"not at all (aligned tiles of the torus, listed row-major, run on {tiles})"
+        )
+        + f"; {hint}"
+      )
+  if backend.gather_to is not None and request.to not in backend.gather_to:
+    return ValueError(f"{name} does not gather to={request.to!r}; {hint}")
+  if request.unreduced and not backend.unreduced_inputs:
+    return ValueError(f"{name} does not take unreduced or reduced inputs; {hint}")
+  if request.partial_manual and not backend.partial_manual:
+    others = [n for n, b in BACKENDS.items() if b.partial_manual and not b.lax_reference]
     return ValueError(
-      f'implementation="{implementation}" runs axis_index_groups only when they are aligned '
-      "tiles of the torus, listed row-major"
-      + (' (and only with "shard_map")' if implementation != "shard_map" else "")
-      + f"; {hint}"
-    )
-  if request.to not in ("varying", "invarying"):
-    return ValueError(
-      f'implementation="{implementation}" does not gather to={request.to!r}; {hint}'
-    )
-  if request.unreduced:
-    return ValueError(
-      f'implementation="{implementation}" does not take unreduced or reduced inputs; {hint}'
-    )
-  if request.partial_manual and implementation == "pallas":
-    return ValueError(
-      'implementation="pallas" needs every mesh axis manual in the enclosing shard_map; '
-      'use implementation="shard_map" or "auto"'
+      f"{name} needs every mesh axis manual in the enclosing shard_map; "
+      f'use implementation="auto" or one of {others}'
     )
   return None
 
@@ -373,8 +516,8 @@ def resolve_collective(implementation: str, request: CollectiveRequest) -> str:
   """The concrete implementation for a collective call: "auto" falls back to "xla" for
   whatever its choice does not support; an explicit torus choice raises instead."""
   check_name(implementation)
-  if implementation == "xla":
-    return "xla"
+  if implementation != "auto" and BACKENDS[implementation].lax_reference:
+    return implementation
   if implementation == "auto":
     if any(_keep_on_xla(d) for d in request.dtypes):
       return "xla"
@@ -387,42 +530,26 @@ def resolve_collective(implementation: str, request: CollectiveRequest) -> str:
   return implementation
 
 
-@dataclasses.dataclass(frozen=True)
-class CollectiveBackend:
-  reduce_scatter: Callable[..., jax.Array]
-  all_gather: Callable[..., jax.Array]
-  all_reduce: Callable[..., jax.Array]
-
-
 def collective_backend(name: str, config: KernelConfig | None = None) -> CollectiveBackend:
-  """The functions behind a concrete, non-"xla" collective implementation.
+  """The collective functions of a registered, non-lax backend.
 
-  ``config`` tunes the Pallas kernels; the other implementations have nothing to tune.
+  ``config`` tunes the kernels of a backend with ``kernel_config``; the others have
+  nothing to tune and get none.
   """
-  if name == "shard_map":
-    from torus_collectives.backends import shard_map as impl
-
-    return CollectiveBackend(impl.reduce_scatter, impl.all_gather, impl.all_reduce)
-  if name == "lax_torus":
-    from torus_collectives.backends import lax_torus as impl
-
-    return CollectiveBackend(impl.reduce_scatter, impl.all_gather, impl.all_reduce)
-  if name == "pallas":
-    from torus_collectives.kernels import pallas_backend as impl
-
-    def with_config(fn):
-      return functools.partial(fn, config=config)
-
-    return CollectiveBackend(
-      with_config(impl.reduce_scatter), with_config(impl.all_gather), with_config(impl.all_reduce)
-    )
-  raise ValueError(f"no collective backend named {name!r}")
+  backend = BACKENDS[name]
+  if backend.load_collectives is None:
+    raise ValueError(f"implementation {name!r} has no collective functions")
+  functions = backend.load_collectives()
+  if not backend.kernel_config:
+    return functions
+  return CollectiveBackend(
+    *(functools.partial(fn, config=config) for fn in dataclasses.astuple(functions))
+  )
 
 
 def batch_norm_passes(name: str) -> Passes:
-  """The per-replica batch-norm passes of a concrete implementation."""
-  if name == "pallas":
-    from torus_collectives.kernels import batch_norm as impl
-
-    return impl.PALLAS
-  return REFERENCE
+  """The per-replica batch-norm passes of a registered implementation."""
+  backend = BACKENDS[name]
+  if backend.load_batch_norm is None:
+    raise ValueError(f"implementation {name!r} has no batch norm")
+  return backend.load_batch_norm()
