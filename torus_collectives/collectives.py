@@ -135,7 +135,7 @@ class _Call:
       torus=self.tile,
     )
     self.implementation = registry.resolve_collective(implementation, request)
-    if self.implementation != "xla" and len(set(names)) != len(names):
+    if not registry.runs_lax(self.implementation) and len(set(names)) != len(names):
       raise ValueError(f"{axis_name=} names an axis twice")
     self.mesh_names = tuple(a for a in names if a in manual)
 
@@ -173,7 +173,7 @@ def _torus_candidate(op: str, implementation: str, leaves, axis_name) -> bool:
   For "auto" this asks the tuning tables about the whole named torus; a call over replica
   groups is looked up again, for its tile, by ``_Call``.
   """
-  if implementation == "xla" or not leaves:
+  if registry.runs_lax(implementation) or not leaves:
     return False
   if implementation != "auto":
     return True
@@ -219,7 +219,7 @@ def _sum(op, x, axis_name, axis_index_groups, implementation, config):
   if all(not isinstance(leaf, jax_internals.Tracer) for leaf in leaves):
     return None  # constants: lax multiplies by the axis size, no device work
   call = _Call("all_reduce", arrays, axis_name, axis_index_groups, "varying", implementation)
-  if call.implementation == "xla":
+  if registry.runs_lax(call.implementation):
     return None
   out: list[jax.Array | None] = [None] * len(arrays)
   invariant = vma_checked() and axis_index_groups is None
@@ -319,7 +319,7 @@ def psum_scatter(
     return on_lax()
   leaves, arrays, treedef = _prepare(x, "all_gather")
   call = _Call("reduce_scatter", arrays, axis_name, axis_index_groups, "varying", implementation)
-  if call.implementation == "xla":
+  if registry.runs_lax(call.implementation):
     return on_lax()
   p = call.group_size
   grids, shapes = [], []
@@ -407,7 +407,7 @@ def all_gather(
     return on_lax()
   leaves, arrays, treedef = _prepare(x, "all_gather")
   call = _Call("all_gather", arrays, axis_name, axis_index_groups, to, implementation)
-  if call.implementation == "xla":
+  if registry.runs_lax(call.implementation):
     return on_lax()
   p = call.group_size
   dims = [_dimension(axis, a.ndim if tiled else a.ndim + 1, "axis") for a in arrays]

@@ -101,7 +101,7 @@ def all_reduce_gradients(
   implementation = registry.resolve("all_reduce", implementation, dtype)
   out: list[jax.Array | None] = [None] * len(leaves)
   buckets = _buckets(wire, bucket_bytes)
-  if implementation == "xla":
+  if registry.runs_lax(implementation):
     # One variadic lax collective per bucket, on the leaves themselves (no packing copy):
     # each can be scheduled as soon as its bucket's gradients exist.
     for bucket in buckets:

@@ -78,7 +78,7 @@ def lowering(kind, x, *, axes, sizes, tile, impl, config, invariant):
 
 def _effects(kind, aval, params):
   """The backend's effects: none, except the callbacks of TPU interpret mode."""
-  if params["impl"] != "pallas" or not target.interpret_mode_active():
+  if not registry.BACKENDS[params["impl"]].pallas_kernels or not target.interpret_mode_active():
     return set()
   return set(jax.make_jaxpr(functools.partial(lowering, kind, **params))(aval).effects)
 

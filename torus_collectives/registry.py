@@ -36,7 +36,7 @@ caller's ``shard_map`` with ``axes`` bound and ``torus`` their sizes (same order
 * ``all_reduce(x, axes, torus)``: ``(n,) -> (n,)`` (``lax.psum(x, axes)``).
 
 A backend that runs replica groups (``axis_index_groups`` that tile the torus) takes
-``tile=`` (the group's extent per axis) as well, and one with ``kernel_config`` takes
+``tile=`` (the group's extent per axis) as well, and one with ``pallas_kernels`` takes
 ``config=``. ``unsupported`` reads from its record which requests an implementation cannot
 run; "auto" sends those to XLA, an explicit choice raises.
 """
@@ -99,7 +99,9 @@ class Backend:
     partial_manual: it runs inside a ``shard_map`` that leaves some mesh axes automatic.
     runs_on: whether it compiles for a device kind here (read at trace time; the Pallas
       kernels need TPU v4 or newer, or TPU interpret mode).
-    kernel_config: its collective functions take ``config=`` (a ``KernelConfig``).
+    pallas_kernels: it runs Pallas kernels: its collective functions take ``config=`` (a
+      ``KernelConfig``), its batch-norm passes ``block_sizes=``, and in TPU interpret
+      mode its calls carry the interpreter's callback effects.
     load_collectives: the three collective functions (imported on first use).
     load_batch_norm: its per-replica batch-norm passes (imported on first use).
   """
@@ -113,7 +115,7 @@ class Backend:
   unreduced_inputs: bool = False
   partial_manual: bool = True
   runs_on: Callable[[str], bool] = lambda device_kind: True
-  kernel_config: bool = False
+  pallas_kernels: bool = False
   load_collectives: Callable[[], CollectiveBackend] | None = None
   load_batch_norm: Callable[[], Passes] | None = None
 
@@ -204,7 +206,7 @@ register(
     ops={**dict.fromkeys(COLLECTIVES, _SUMMED), "batch_norm": _FLOATS},
     partial_manual=False,
     runs_on=_pallas_runs_on,
-    kernel_config=True,
+    pallas_kernels=True,
     load_collectives=_load_pallas,
     load_batch_norm=_load_pallas_batch_norm,
   )
@@ -218,6 +220,11 @@ def implementations() -> tuple[str, ...]:
 
 # The built-in names (``implementations()`` adds any registered later).
 IMPLEMENTATIONS: tuple[str, ...] = implementations()
+
+
+def runs_lax(implementation: str) -> bool:
+  """Whether the concrete ``implementation`` is lax itself (the "xla" record)."""
+  return implementation != "auto" and BACKENDS[implementation].lax_reference
 
 
 def supports(implementation: str, op: Op, dtype) -> bool:
@@ -533,14 +540,14 @@ def resolve_collective(implementation: str, request: CollectiveRequest) -> str:
 def collective_backend(name: str, config: KernelConfig | None = None) -> CollectiveBackend:
   """The collective functions of a registered, non-lax backend.
 
-  ``config`` tunes the kernels of a backend with ``kernel_config``; the others have
+  ``config`` tunes the kernels of a backend with ``pallas_kernels``; the others have
   nothing to tune and get none.
   """
   backend = BACKENDS[name]
   if backend.load_collectives is None:
     raise ValueError(f"implementation {name!r} has no collective functions")
   functions = backend.load_collectives()
-  if not backend.kernel_config:
+  if not backend.pallas_kernels:
     return functions
   return CollectiveBackend(
     *(functools.partial(fn, config=config) for fn in dataclasses.astuple(functions))

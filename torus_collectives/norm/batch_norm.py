@@ -46,7 +46,7 @@ class _Config:
   tile: tuple[int, ...]
   epsilon: float
   relu: bool
-  implementation: str  # concrete: "xla" or "pallas"
+  implementation: str  # concrete: a registered backend with batch norm
   block_sizes: BlockSizes | None
 
 
@@ -56,7 +56,7 @@ def _pass(cfg: _Config, name: str, *args, **kwargs):
   fn = getattr(registry.batch_norm_passes(cfg.implementation), name)
   if name.startswith("local_") and (fn is None or math.prod(cfg.tile) > 1):
     return None
-  if cfg.implementation == "pallas":
+  if registry.BACKENDS[cfg.implementation].pallas_kernels:
     kwargs["block_sizes"] = cfg.block_sizes
   return fn(*args, **kwargs)
 
