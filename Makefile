@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
+# One worker per core; a file's tests stay on one worker, so its module fixtures run once.
 test: $(STAMP) lint
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n auto --dist loadfile --durations=25 tests
 
 # The formatter and linter (configured in pyproject.toml); `make format` applies them.
 lint: $(STAMP)
