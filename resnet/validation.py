@@ -127,8 +127,8 @@ RULES = {
 
 def _runtime_problems(config, num_devices: int) -> list[str]:
   """What needs jax up (imported here, so the entry point can validate before it starts)."""
-  import torus_collectives as tc  # pylint: disable=g-import-not-at-top
-  from resnet import models  # pylint: disable=g-import-not-at-top
+  import torus_collectives as tc
+  from resnet import models
 
   problems = []
   if config.model not in models.ARCHITECTURES:
