@@ -1,9 +1,10 @@
-"""Data-parallel ResNet training on a 2-D torus: the paper's system end to end.
+"""Data-parallel ResNet training on a torus: the paper's system end to end.
 
-Every device of a 2-D torus mesh holds a replica of the train state and a slice of the
-global batch. One step is ``jax.jit`` of a ``jax.shard_map`` body that:
+Every device of a torus mesh (one, two or three axes; ``config.mesh_shape``, by default the
+most square 2-D torus) holds a replica of the train state and a slice of the global batch,
+split over every mesh axis. One step is ``jax.jit`` of a ``jax.shard_map`` body that:
   1. runs the model with batch norm statistics averaged over a group of replicas,
-  2. sums gradients over the whole torus with ``tc.all_reduce_gradients`` (2-D torus
+  2. sums gradients over the whole torus with ``tc.all_reduce_gradients`` (torus
      reduce-scatter / all-gather where the platform has it, lax elsewhere),
   3. applies LARS, and averages the moving BN statistics so the state stays replicated.
 With ``weight_update_sharding``, steps 2-3 become ``tc.sharded_update``: reduce-scatter,
@@ -63,6 +64,8 @@ from resnet import (
   validation,
 )
 from torus_collectives.topology import most_square_shape
+
+MESH_AXIS_NAMES = ('x', 'y', 'z')
 
 
 @flax.struct.dataclass
@@ -417,9 +420,12 @@ def _train_and_evaluate(
 
 
 def create_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
-  """The torus mesh of ``config.mesh_shape``, or (empty) the most square 2-D torus over
-  every device. Assumes a validated config (the shape multiplies to the device count)."""
-  return tc.make_torus_mesh(tuple(config.mesh_shape) or most_square_shape(jax.device_count()))
+  """The torus mesh of ``config.mesh_shape`` (one, two or three axes, named from
+  ``MESH_AXIS_NAMES``), or (empty) the most square 2-D torus over every device. Training
+  uses every axis as a data axis. Assumes a validated config (the shape multiplies to the
+  device count)."""
+  shape = tuple(config.mesh_shape) or most_square_shape(jax.device_count())
+  return tc.make_torus_mesh(shape, axis_names=MESH_AXIS_NAMES[: len(shape)])
 
 
 @dataclasses.dataclass(frozen=True)
