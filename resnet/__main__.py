@@ -56,10 +56,10 @@ def main(argv):
       f'_device_count={config.simulated_cpu_devices}'
     ).strip()
   if config.xla_overlap_settings:  # libtpu reads its flags once, when jax starts it
-    from torus_collectives import xla_settings  # pylint: disable=g-import-not-at-top
+    from torus_collectives import xla_settings
 
     xla_settings.apply()
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
 
   if _NUM_PROCESSES.value > 1:
     if on_cpu:
@@ -71,7 +71,7 @@ def main(argv):
       heartbeat_timeout_seconds=config.heartbeat_timeout_seconds,
     )
   _validate(config, num_devices=jax.device_count())
-  from resnet import train  # pylint: disable=g-import-not-at-top
+  from resnet import train
 
   train.train_and_evaluate(config, _WORKDIR.value)
 

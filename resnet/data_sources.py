@@ -50,7 +50,7 @@ def write_digits(root: pathlib.Path) -> None:
   """
   if root.is_dir():
     return
-  from sklearn import datasets  # pylint: disable=g-import-not-at-top
+  from sklearn import datasets
 
   digits = datasets.load_digits()
   images = digits.images.astype(np.float32) * (255.0 / 16.0)  # 0..16 -> 0..255
@@ -119,7 +119,7 @@ def imagenet_split(
   data_dir: str | None, split: str, *, process_index: int, process_count: int
 ) -> Split:
   """This process's even share of tfds ``imagenet2012``, images left encoded."""
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  import tensorflow_datasets as tfds
 
   builder = tfds.builder('imagenet2012', data_dir=data_dir or None)
   try:

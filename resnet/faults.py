@@ -33,6 +33,8 @@ import jax
 import numpy as np
 from absl import logging
 
+from torus_collectives import _jax_internals as jax_internals
+
 _KEY = 'resnet/liveness'
 
 
@@ -113,11 +115,8 @@ class PeerWatchdog:
     self._stopped = threading.Event()
     self._thread = None
     if jax.process_count() > 1:
-      # jax has no public accessor for the coordination service client; orbax and
-      # jax.experimental.multihost_utils read it the same way.
-      from jax._src import distributed  # pylint: disable=g-import-not-at-top
-
-      self._client = distributed.global_state.client
+      # jax has no public accessor for the coordination service client.
+      self._client = jax_internals.coordination_client()
       self._thread = threading.Thread(target=self._run, name='peer-watchdog', daemon=True)
       self._thread.start()
 

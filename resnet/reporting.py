@@ -59,10 +59,10 @@ def plot_curves(workdir: str | pathlib.Path) -> pathlib.Path | None:
   """Saves ``curves.png``: training loss, and train/eval top-1 against the step."""
   if jax.process_index() != 0:
     return None
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib
 
   matplotlib.use('Agg')
-  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  from matplotlib import pyplot as plt
 
   records = read_metrics(workdir)
 

@@ -1,9 +1,10 @@
-"""Data-parallel ResNet training on a 2-D torus: the paper's system end to end.
+"""Data-parallel ResNet training on a torus: the paper's system end to end.
 
-Every device of a 2-D torus mesh holds a replica of the train state and a slice of the
-global batch. One step is ``jax.jit`` of a ``jax.shard_map`` body that:
+Every device of a torus mesh (one, two or three axes; ``config.mesh_shape``, by default the
+most square 2-D torus) holds a replica of the train state and a slice of the global batch,
+split over every mesh axis. One step is ``jax.jit`` of a ``jax.shard_map`` body that:
   1. runs the model with batch norm statistics averaged over a group of replicas,
-  2. sums gradients over the whole torus with ``tc.all_reduce_gradients`` (2-D torus
+  2. sums gradients over the whole torus with ``tc.all_reduce_gradients`` (torus
      reduce-scatter / all-gather where the platform has it, lax elsewhere),
   3. applies LARS, and averages the moving BN statistics so the state stays replicated.
 With ``weight_update_sharding``, steps 2-3 become ``tc.sharded_update``: reduce-scatter,
@@ -19,19 +20,23 @@ stop without saving when the loss or gradient turns non-finite; periodic top-1/t
 evaluation; TensorBoard scalars and ``metrics.jsonl``, one row per step across resumes; a
 progress bar; and a PNG plot.
 
-As in flax's examples/imagenet, each piece is its own function (``create_model``,
-``create_learning_rate_fn``, ``optim.create_optimizer``, ``make_init_fn``, ``make_train_step``,
-``make_eval_step``, ``evaluate``, ``restore_or_create_state``) and
-``train_and_evaluate(config, workdir)`` composes them.
+As in flax's examples/imagenet, each piece is its own function (``create_mesh``,
+``create_model``, ``create_learning_rate_fn``, ``optim.create_optimizer``, ``make_init_fn``,
+``make_train_step``, ``make_eval_step``, ``evaluate``, ``restore_or_create_state``) and
+``train_and_evaluate(config, workdir)`` composes them: it sets up the data (``_open_data``)
+and the functions (``_build_program``), restores or creates the state, and runs the loop
+(``_train``), whose steps are ``_dispatch_step`` and, on the steps that log,
+``_log_evaluate_and_save``; ``_summarize`` reports the end.
 """
 
+import dataclasses
 import functools
 import itertools
 import math
 import pathlib
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import flax
@@ -59,6 +64,8 @@ from resnet import (
   validation,
 )
 from torus_collectives.topology import most_square_shape
+
+MESH_AXIS_NAMES = ('x', 'y', 'z')
 
 
 @flax.struct.dataclass
@@ -385,13 +392,108 @@ def _train_and_evaluate(
   store: checkpoints.VerifiedCheckpoints,
   stop: faults.StopRequest,
 ) -> dict[str, float]:
+  """The run itself, once the fault handlers are up: set up, train, evaluate, summarize."""
   start_time = time.time()
-  num_devices, num_processes = jax.device_count(), jax.process_count()
-  mesh = tc.make_torus_mesh(tuple(config.mesh_shape) or most_square_shape(num_devices))
-  data_sharding = NamedSharding(mesh, P(mesh.axis_names))
+  mesh = create_mesh(config)
+  data = _open_data(config, mesh)
+  program = _build_program(config, mesh, data)
+  state = restore_or_create_state(store, program.init_fn, program.key, program.state_sharding)
+  start_step = int(state.step)
+  run = _Run(
+    config=config,
+    workdir=workdir,
+    data=data,
+    program=program,
+    store=store,
+    stop=stop,
+    batches=_train_batches(config, data, start_step),
+    evaluate=_make_evaluator(config, data, program.eval_step),
+    reporter=_Reporter(config, workdir, start_step, data.schedule.total_steps),
+  )
+  try:
+    state, eval_metrics, evaluated_at = _train(run, state, start_step)
+  finally:
+    run.reporter.close()
+  if evaluated_at != int(state.step):  # stopped by a signal, or resumed at the end
+    eval_metrics = run.evaluate(state)
+  return _summarize(run, state, eval_metrics, wall=time.time() - start_time)
+
+
+def create_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+  """The torus mesh of ``config.mesh_shape`` (one, two or three axes, named from
+  ``MESH_AXIS_NAMES``), or (empty) the most square 2-D torus over every device. Training
+  uses every axis as a data axis. Assumes a validated config (the shape multiplies to the
+  device count)."""
+  shape = tuple(config.mesh_shape) or most_square_shape(jax.device_count())
+  return tc.make_torus_mesh(shape, axis_names=MESH_AXIS_NAMES[: len(shape)])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Schedule:
+  """Which steps train, log, evaluate and save (``stop_code``: the agreed stop, 0 if none)."""
+
+  total_steps: int
+  log_every: int
+  eval_every: int
+  checkpoint_every: int
+
+  def evaluates(self, step: int) -> bool:
+    return step % self.eval_every == 0 or step == self.total_steps
+
+  def saves(self, step: int, stop_code: int) -> bool:
+    return step % self.checkpoint_every == 0 or step == self.total_steps or bool(stop_code)
+
+  def logs(self, step: int, stop_code: int) -> bool:
+    """Every ``log_every`` steps, and whenever the step evaluates or saves."""
+    return step % self.log_every == 0 or self.evaluates(step) or self.saves(step, stop_code)
+
+
+def _make_schedule(config: ml_collections.ConfigDict, train_examples: int) -> tuple[int, _Schedule]:
+  """``(steps_per_epoch, schedule)`` for ``train_examples`` training examples in all.
+
+  Raises:
+    ValueError: when the global batch is larger than the training split.
+  """
+  steps_per_epoch = train_examples // config.global_batch_size
+  if not steps_per_epoch:
+    raise ValueError(
+      f'config.global_batch_size={config.global_batch_size} must be at most the '
+      f'{train_examples} training examples of {config.dataset!r}.'
+    )
+  total_steps = (
+    config.num_train_steps
+    if config.num_train_steps > 0
+    else int(config.num_epochs * steps_per_epoch)
+  )
+  return steps_per_epoch, _Schedule(
+    total_steps=total_steps,
+    log_every=config.log_every_steps,
+    eval_every=max(1, round(config.eval_every_epochs * steps_per_epoch)),
+    checkpoint_every=config.checkpoint_every_steps,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Data:
+  """This process's view of the run's data and the step counts the training split implies."""
+
+  train: data_sources.Split
+  eval: data_sources.Split
+  local_batch: int  # this process's rows of a global training batch
+  local_eval_batch: int  # and of a global evaluation batch
+  sharding: NamedSharding  # of a global batch: its rows split over every mesh axis
+  preprocessing: input_pipeline.Preprocessing
+  steps_per_epoch: int
+  schedule: _Schedule
+
+
+def _open_data(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> _Data:
+  """Lists this process's shards of the training and evaluation splits (each process reads
+  its share of every global batch) and derives the schedule from the training split's size;
+  nothing is decoded yet. Raises ValueError when the global batch exceeds the split."""
+  num_processes = jax.process_count()
   local_batch = config.global_batch_size // num_processes
   local_eval_batch = config.eval_batch_size // num_processes
-
   split_args = dict(process_index=jax.process_index(), process_count=num_processes)
   train_split = data_sources.get_split(
     config.dataset, config.data_dir, config.train_split, block=local_batch, **split_args
@@ -399,24 +501,56 @@ def _train_and_evaluate(
   eval_split = data_sources.get_split(
     config.dataset, config.data_dir, config.eval_split, block=local_eval_batch, **split_args
   )
-  steps_per_epoch = train_split.total_examples // config.global_batch_size
-  if not steps_per_epoch:
-    raise ValueError(
-      f'config.global_batch_size={config.global_batch_size} must be at most the '
-      f'{train_split.total_examples} training examples of {config.dataset!r}.'
-    )
-  total_steps = (
-    config.num_train_steps
-    if config.num_train_steps > 0
-    else int(config.num_epochs * steps_per_epoch)
+  steps_per_epoch, schedule = _make_schedule(config, train_split.total_examples)
+  return _Data(
+    train=train_split,
+    eval=eval_split,
+    local_batch=local_batch,
+    local_eval_batch=local_eval_batch,
+    sharding=NamedSharding(mesh, P(mesh.axis_names)),
+    preprocessing=input_pipeline.Preprocessing(
+      image_size=config.image_size,
+      crop_area_range=tuple(config.crop_area_range),
+      random_flip=config.random_flip,
+      eval_crop_fraction=config.eval_crop_fraction,
+    ),
+    steps_per_epoch=steps_per_epoch,
+    schedule=schedule,
   )
-  eval_every = max(1, round(config.eval_every_epochs * steps_per_epoch))
 
-  model = create_model(config, train_split.num_classes, mesh)
-  learning_rate_fn = create_learning_rate_fn(config, steps_per_epoch, total_steps)
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+  """The run's functions on its mesh, built but not yet compiled."""
+
+  init_fn: Callable[[jax.Array], TrainState]  # jitted key -> state at step 0
+  key: jax.Array  # the key init_fn takes
+  state_sharding: TrainState  # a sharding per state field
+  train_step: Callable  # jitted (state, batch) -> (state, metrics); donates the state
+  eval_step: Callable  # jitted (state, batch) -> {'top1', 'top5', 'count'}
+
+
+def _gradient_averaging(config: ml_collections.ConfigDict) -> Callable | None:
+  """The ``average_gradients`` of ``make_train_step``: ``tc.all_reduce_gradients`` with the
+  configured implementation, or None when the sharded optimizer averages them itself."""
+  if config.weight_update_sharding:
+    return None
+  return functools.partial(tc.all_reduce_gradients, implementation=config.grad_implementation)
+
+
+def _build_program(
+  config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, data: _Data
+) -> _Program:
+  """Builds the model, learning rate schedule, optimizer, init, train and eval steps for
+  ``mesh``. With ``config.tune``, first times the model's collectives on the mesh (see
+  ``pretune``), so that the train step, traced later, runs what was fastest. Raises
+  ValueError when the warmup is not shorter than the run."""
+  model = create_model(config, data.train.num_classes, mesh)
+  learning_rate_fn = create_learning_rate_fn(
+    config, data.steps_per_epoch, data.schedule.total_steps
+  )
   tx, opt_state_spec = optim.create_optimizer(config, learning_rate_fn, mesh.axis_names)
   state_spec = state_specs(opt_state_spec)
-  state_sharding = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_spec)
   init_fn = make_init_fn(model, tx, config.image_size, mesh, opt_state_spec)
   # rbg: XLA's RngBitGenerator compiles far faster than threefry for large inits.
   key = jax.random.key(config.seed, impl='rbg')
@@ -425,150 +559,260 @@ def _train_and_evaluate(
       model,
       jax.eval_shape(init_fn, key),
       mesh,
-      per_replica_batch=config.global_batch_size // num_devices,
+      per_replica_batch=config.global_batch_size // mesh.devices.size,
       image_size=config.image_size,
-      bn_group_size=bn_group_size(config, num_devices),
+      bn_group_size=bn_group_size(config, mesh.devices.size),
     )
-  train_step = jax.jit(
-    make_train_step(
-      model,
-      tx,
-      learning_rate_fn,
-      mesh,
-      num_classes=train_split.num_classes,
-      label_smoothing=config.label_smoothing,
-      average_gradients=None
-      if config.weight_update_sharding
-      else functools.partial(tc.all_reduce_gradients, implementation=config.grad_implementation),
-      opt_state_spec=opt_state_spec,
-    ),
-    donate_argnums=0,
+  train_step = make_train_step(
+    model,
+    tx,
+    learning_rate_fn,
+    mesh,
+    num_classes=data.train.num_classes,
+    label_smoothing=config.label_smoothing,
+    average_gradients=_gradient_averaging(config),
+    opt_state_spec=opt_state_spec,
   )
-  eval_step = make_eval_step(model, mesh, state_spec)
-  state = restore_or_create_state(store, init_fn, key, state_sharding)
-  start_step = int(state.step)
+  return _Program(
+    init_fn=init_fn,
+    key=key,
+    state_sharding=jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_spec),
+    train_step=jax.jit(train_step, donate_argnums=0),
+    eval_step=make_eval_step(model, mesh, state_spec),
+  )
 
-  preprocessing = input_pipeline.Preprocessing(
-    image_size=config.image_size,
-    crop_area_range=tuple(config.crop_area_range),
-    random_flip=config.random_flip,
-    eval_crop_fraction=config.eval_crop_fraction,
+
+def _train_batches(
+  config: ml_collections.ConfigDict, data: _Data, start_step: int
+) -> Iterator[tuple[dict[str, jax.Array], dict[str, Any]]]:
+  """The global training batches of steps ``start_step + 1`` on (a resumed run gets the
+  batches an uninterrupted one would have), prefetched to the devices, each with its
+  host-side fields (``'skipped'``: this process's count of unreadable images so far)."""
+  batches = input_pipeline.train_dataset(
+    data.train,
+    data.preprocessing,
+    local_batch=data.local_batch,
+    seed=config.seed,
+    start_step=start_step,
+    cache=config.cache,
+    shuffle_buffer=config.shuffle_buffer,
   )
-  train_batches = input_pipeline.device_prefetch(
-    input_pipeline.train_dataset(
-      train_split,
-      preprocessing,
-      local_batch=local_batch,
-      seed=config.seed,
-      start_step=start_step,
-      cache=config.cache,
-      shuffle_buffer=config.shuffle_buffer,
-    ).as_numpy_iterator(),
-    data_sharding,
-    size=config.prefetch_to_device,
+  return input_pipeline.device_prefetch(
+    batches.as_numpy_iterator(), data.sharding, size=config.prefetch_to_device
   )
+
+
+def _make_evaluator(
+  config: ml_collections.ConfigDict, data: _Data, eval_step: Callable
+) -> Callable[[TrainState], dict[str, float]]:
+  """``state -> evaluate(...)`` over the whole evaluation split. Its tf.data pipeline is
+  built here, once, so that its cache (``config.cache``) serves every evaluation."""
   eval_data, eval_steps = input_pipeline.eval_dataset(
-    eval_split,
-    preprocessing,
-    local_batch=local_eval_batch,
+    data.eval,
+    data.preprocessing,
+    local_batch=data.local_eval_batch,
     global_batch=config.eval_batch_size,
     cache=config.cache,
   )
 
-  def run_evaluation():
+  def evaluate_state(state: TrainState) -> dict[str, float]:
     batches = input_pipeline.device_prefetch(
-      eval_data.as_numpy_iterator(), data_sharding, host_keys=()
+      eval_data.as_numpy_iterator(), data.sharding, host_keys=()
     )
     return evaluate(
       eval_step,
       state,
       (batch for batch, _ in itertools.islice(batches, eval_steps)),
-      eval_split.total_examples,
+      data.eval.total_examples,
     )
 
-  writer = reporting.MetricWriter(workdir, start_step)
-  progress = tqdm.tqdm(
-    total=total_steps,
-    initial=start_step,
-    unit='step',
-    disable=jax.process_index() != 0,
-    dynamic_ncols=True,
-  )
-  throughput = ThroughputMeter(config.global_batch_size)
-  eval_metrics, evaluated_at = {}, None
-  skipped = reported_skipped = reported_eval_skipped = 0
-  previous_stop = None  # the previous step's agreed stop code, still on its way to the host
-  try:
-    for step in range(start_step + 1, total_steps + 1):
-      batch, host = next(train_batches)
-      state, metrics = train_step(state, dict(batch, stop=stop.device_flags(data_sharding)))
-      agreed_stop = metrics.pop('stop')
-      agreed_stop.copy_to_host_async()
-      throughput.count_step()
-      if step == start_step + 1:  # keep compilation out of the throughput
-        jax.block_until_ready(state)
-        throughput.restart()
-      # Reading the previous step's agreement keeps one step in flight; every process reads
-      # the same value here, so all stop after this same step.
-      stop_code = 0 if previous_stop is None else int(previous_stop)
-      previous_stop = agreed_stop
-      skipped = max(skipped, int(host['skipped'].max()))
-      log_now = step % config.log_every_steps == 0 or step == total_steps
-      checkpoint_now = step % config.checkpoint_every_steps == 0 or step == total_steps or stop_code
-      if not (log_now or checkpoint_now or step % eval_every == 0):
-        continue
-      scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
-      if not all(map(math.isfinite, scalars.values())):
-        raise FloatingPointError(
-          f'Non-finite training metrics at step {step}: {scalars}. Stopped without saving; '
-          f'the newest checkpoint is {store.describe_latest()}.'
-        )
-      scalars.update(images_per_second=throughput.measure(), skipped_images=skipped)
-      if step % eval_every == 0 or step == total_steps:
-        eval_metrics, evaluated_at = run_evaluation(), step
-        scalars.update(eval_metrics)
-      writer.write(step, scalars)
-      progress.set_postfix(
-        loss=f"{scalars['train_loss']:.3f}", img_s=f'{throughput.rate:.1f}', refresh=False
-      )
-      progress.update(step - progress.n)
-      if skipped > reported_skipped:
-        logging.warning('Skipped %d unreadable training images so far.', skipped)
-        reported_skipped = skipped
-      if eval_metrics.get('eval_skipped_images', 0) > reported_eval_skipped:
-        reported_eval_skipped = eval_metrics['eval_skipped_images']
-        logging.warning('Skipped %d unreadable evaluation images.', reported_eval_skipped)
-      if checkpoint_now:
-        store.save(step, state)
-      throughput.restart()  # evaluation and saving are not counted
-      if stop_code:
-        stop.saved()
-        logging.warning(
-          'Stopped for %s (received by %s): saved step %d to %s; rerun the same command to resume.',
-          signal.Signals(stop_code).name,
-          'this process' if stop.code else 'another process',
-          step,
-          store.directory,
-        )
-        break
-  finally:
-    progress.close()
+  return evaluate_state
 
-  if evaluated_at != int(state.step):  # stopped by a signal, or resumed at the end
-    eval_metrics = run_evaluation()
-  wall = time.time() - start_time
-  plot = reporting.plot_curves(workdir)
-  summary = {
-    **eval_metrics,
-    'images_per_second': throughput.rate,
-    'wall_seconds': wall,
-    'step': int(state.step),
-    'skipped_images': skipped,
-  }
+
+class _Reporter:
+  """Where the loop's measurements go, besides checkpoints: TensorBoard and
+  ``metrics.jsonl`` (``reporting.MetricWriter``), the progress bar, the throughput, and a
+  warning each time the count of unreadable training or evaluation images grows. Only
+  process 0 writes files or shows the bar."""
+
+  def __init__(
+    self,
+    config: ml_collections.ConfigDict,
+    workdir: pathlib.Path,
+    start_step: int,
+    total_steps: int,
+  ):
+    self.throughput = ThroughputMeter(config.global_batch_size)
+    self.skipped = 0  # unreadable training images so far (this process's count)
+    self._writer = reporting.MetricWriter(workdir, start_step)
+    self._progress = tqdm.tqdm(
+      total=total_steps,
+      initial=start_step,
+      unit='step',
+      disable=jax.process_index() != 0,
+      dynamic_ncols=True,
+    )
+    self._reported_skipped = self._reported_eval_skipped = 0
+
+  def count_step(self, host: dict[str, Any]) -> None:
+    """Counts a dispatched step and its batch's host-side ``'skipped'`` count."""
+    self.throughput.count_step()
+    self.skipped = max(self.skipped, int(host['skipped'].max()))
+
+  def write(self, step: int, scalars: dict[str, float]) -> None:
+    """Writes the step's scalars, moves the bar to ``step``, and warns of newly skipped
+    images (the evaluation's count is in ``scalars`` on the steps that evaluate)."""
+    self._writer.write(step, scalars)
+    self._progress.set_postfix(
+      loss=f"{scalars['train_loss']:.3f}", img_s=f'{self.throughput.rate:.1f}', refresh=False
+    )
+    self._progress.update(step - self._progress.n)
+    if self.skipped > self._reported_skipped:
+      logging.warning('Skipped %d unreadable training images so far.', self.skipped)
+      self._reported_skipped = self.skipped
+    if scalars.get('eval_skipped_images', 0) > self._reported_eval_skipped:
+      self._reported_eval_skipped = scalars['eval_skipped_images']
+      logging.warning('Skipped %d unreadable evaluation images.', self._reported_eval_skipped)
+
+  def close(self) -> None:
+    self._progress.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+  """What the training loop reads: the set-up pieces, the fault handlers and the outputs."""
+
+  config: ml_collections.ConfigDict
+  workdir: pathlib.Path
+  data: _Data
+  program: _Program
+  store: checkpoints.VerifiedCheckpoints
+  stop: faults.StopRequest
+  batches: Iterator[tuple[dict[str, jax.Array], dict[str, Any]]]  # from _train_batches
+  evaluate: Callable[[TrainState], dict[str, float]]  # from _make_evaluator
+  reporter: _Reporter
+
+
+def _train(
+  run: _Run, state: TrainState, start_step: int
+) -> tuple[TrainState, dict[str, float], int | None]:
+  """Trains from ``start_step`` (the state's step) to the schedule's last step, or to the
+  step after which every process agreed to stop, logging, evaluating and saving as the
+  schedule says. Returns the final state, the newest evaluation metrics and their step
+  (``{}`` and None if no step evaluated).
+
+  Raises:
+    FloatingPointError: when a logged step's metrics are not finite (nothing is saved).
+  """
+  eval_metrics, evaluated_at = {}, None
+  previous_stop = None  # the previous step's agreed stop code, still on its way to the host
+  for step in range(start_step + 1, run.data.schedule.total_steps + 1):
+    state, metrics, agreed_stop = _dispatch_step(run, state, first=step == start_step + 1)
+    # Reading the previous step's agreement keeps one step in flight; every process reads
+    # the same value here, so all stop after this same step.
+    stop_code = 0 if previous_stop is None else int(previous_stop)
+    previous_stop = agreed_stop
+    if not run.data.schedule.logs(step, stop_code):
+      continue
+    evaluation = _log_evaluate_and_save(run, step, state, metrics, stop_code)
+    if evaluation is not None:
+      eval_metrics, evaluated_at = evaluation, step
+    if stop_code:
+      _report_stop(run, step, stop_code)
+      break
+  return state, eval_metrics, evaluated_at
+
+
+def _dispatch_step(
+  run: _Run, state: TrainState, *, first: bool
+) -> tuple[TrainState, dict[str, jax.Array], jax.Array]:
+  """Starts one training step on the next batch, this process's stop code riding along,
+  and counts it for the throughput (the ``first`` step is waited for, so that compilation
+  is not timed). Returns the new state, the step's metrics (on the devices, without
+  ``'stop'``) and the agreed stop code, being copied to the host but not waited for."""
+  batch, host = next(run.batches)
+  stop_flags = run.stop.device_flags(run.data.sharding)
+  state, metrics = run.program.train_step(state, dict(batch, stop=stop_flags))
+  agreed_stop = metrics.pop('stop')
+  agreed_stop.copy_to_host_async()
+  run.reporter.count_step(host)
+  if first:  # keep compilation out of the throughput
+    jax.block_until_ready(state)
+    run.reporter.throughput.restart()
+  return state, metrics, agreed_stop
+
+
+def _log_evaluate_and_save(
+  run: _Run, step: int, state: TrainState, metrics: dict[str, jax.Array], stop_code: int
+) -> dict[str, float] | None:
+  """Logs the step's metrics (with the evaluation's when the step evaluates), saves a
+  checkpoint when the step saves, and restarts the throughput meter so that neither is
+  timed. Returns the evaluation's metrics, or None when the step does not evaluate.
+
+  Raises:
+    FloatingPointError: when the metrics are not finite, before anything is saved.
+  """
+  scalars = _finite_scalars(metrics, step, run.store)
+  scalars.update(
+    images_per_second=run.reporter.throughput.measure(), skipped_images=run.reporter.skipped
+  )
+  evaluation = run.evaluate(state) if run.data.schedule.evaluates(step) else None
+  scalars.update(evaluation or {})
+  run.reporter.write(step, scalars)
+  if run.data.schedule.saves(step, stop_code):
+    run.store.save(step, state)
+  run.reporter.throughput.restart()  # evaluation and saving are not counted
+  return evaluation
+
+
+def _finite_scalars(
+  metrics: dict[str, jax.Array], step: int, store: checkpoints.VerifiedCheckpoints
+) -> dict[str, float]:
+  """The step's metrics as floats (this waits for the step).
+
+  Raises:
+    FloatingPointError: when one is not finite, naming the checkpoint a rerun resumes from.
+  """
+  scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
+  if not all(map(math.isfinite, scalars.values())):
+    raise FloatingPointError(
+      f'Non-finite training metrics at step {step}: {scalars}. Stopped without saving; '
+      f'the newest checkpoint is {store.describe_latest()}.'
+    )
+  return scalars
+
+
+def _report_stop(run: _Run, step: int, stop_code: int) -> None:
+  """Ends the stop's deadline once ``step`` is saved, and logs which signal stopped the
+  run, where it arrived, and that rerunning the command resumes."""
+  run.stop.saved()
+  logging.warning(
+    'Stopped for %s (received by %s): saved step %d to %s; rerun the same command to resume.',
+    signal.Signals(stop_code).name,
+    'this process' if run.stop.code else 'another process',
+    step,
+    run.store.directory,
+  )
+
+
+def _summarize(
+  run: _Run, state: TrainState, eval_metrics: dict[str, float], *, wall: float
+) -> dict[str, float]:
+  """Plots the curves, prints the final result on process 0 and returns the summary: the
+  final state's evaluation, throughput, wall time, step and skipped training images."""
+  plot = reporting.plot_curves(run.workdir)
+  step = int(state.step)
+  rate = run.reporter.throughput.rate
   if jax.process_index() == 0:
     print(
-      f"{config.model} on {config.dataset}: top-1 {eval_metrics['eval_top1']:.2%}, "
-      f"top-5 {eval_metrics['eval_top5']:.2%} after {int(state.step)} steps; "
-      f'{throughput.rate:.1f} images/s; wall time {wall:.0f} s; curves in {plot}'
+      f"{run.config.model} on {run.config.dataset}: top-1 {eval_metrics['eval_top1']:.2%}, "
+      f"top-5 {eval_metrics['eval_top5']:.2%} after {step} steps; "
+      f'{rate:.1f} images/s; wall time {wall:.0f} s; curves in {plot}'
     )
-  return summary
+  return {
+    **eval_metrics,
+    'images_per_second': rate,
+    'wall_seconds': wall,
+    'step': step,
+    'skipped_images': run.reporter.skipped,
+  }

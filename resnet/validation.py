@@ -18,6 +18,9 @@ from collections.abc import Callable
 import ml_collections
 
 DTYPES = ('float32', 'bfloat16', 'float16')  # compute dtypes of the model
+# The most axes of a torus mesh (``torus_collectives.registry.MAX_TORUS_AXES``, not imported
+# here so that validating needs no jax).
+MAX_MESH_AXES = 3
 
 
 def _is_int(v) -> bool:
@@ -53,7 +56,11 @@ def _fraction_pair(v) -> bool:
 
 
 def _torus_shape(v) -> bool:
-  return isinstance(v, tuple | list) and len(v) <= 2 and all(_is_int(n) and n >= 1 for n in v)
+  return (
+    isinstance(v, tuple | list)
+    and len(v) <= MAX_MESH_AXES
+    and all(_is_int(n) and n >= 1 for n in v)
+  )
 
 
 _BOOL = ((lambda v: isinstance(v, bool)), 'True or False')
@@ -66,7 +73,8 @@ RULES = {
   'simulated_cpu_devices': _int_at_least(0),
   'mesh_shape': (
     _torus_shape,
-    'empty (the most square torus) or one or two positive integers multiplying to the device count',
+    'empty (the most square 2-D torus) or one, two or three positive integers multiplying to '
+    'the device count',
   ),
   'dataset': (
     lambda v: (
@@ -127,8 +135,8 @@ RULES = {
 
 def _runtime_problems(config, num_devices: int) -> list[str]:
   """What needs jax up (imported here, so the entry point can validate before it starts)."""
-  import torus_collectives as tc  # pylint: disable=g-import-not-at-top
-  from resnet import models  # pylint: disable=g-import-not-at-top
+  import torus_collectives as tc
+  from resnet import models
 
   problems = []
   if config.model not in models.ARCHITECTURES:

@@ -1,6 +1,7 @@
 """End-to-end training of a tiny ResNet on the digits: loop, evaluation, checkpoints, plot,
-bitwise resume after SIGTERM and after a corrupt checkpoint, the NaN stop, and two
-processes: matching one, stopping together on SIGTERM to either, and naming a killed peer.
+bitwise resume after SIGTERM and after a corrupt checkpoint, a resume onto a 2x2x2 mesh, the NaN
+stop, and two processes: matching one, stopping together on SIGTERM to either, and naming a
+killed peer.
 
 Every subprocess wait has a timeout, so a regression that hangs fails instead."""
 
@@ -21,7 +22,7 @@ import orbax.checkpoint as ocp
 import pytest
 import two_processes
 
-from resnet import checkpoints, data_sources, input_pipeline, train
+from resnet import checkpoints, data_sources, input_pipeline, train, validation
 from resnet.configs import default
 
 TOTAL_STEPS = 8
@@ -104,6 +105,36 @@ def test_end_to_end_writes_checkpoints_metrics_and_plot(full_run):
   assert list(workdir.glob('events.out.tfevents.*'))
   assert _steps(workdir) == list(range(1, TOTAL_STEPS + 1))
   assert all(np.isfinite(list(_losses(workdir).values())))
+
+
+def test_a_2x2x2_mesh_resumes_and_trains_on_every_axis(full_run, data_dir, tmp_path):
+  """The training path on a 3-axis torus: the 2x4 run's step-6 checkpoint resumes into the
+  2x2x2 mesh's shardings, and as the batch is split over all three axes (the same rows on
+  the same devices), step 7's loss is the 2x4 run's."""
+  resume_from = TOTAL_STEPS - 2
+  shutil.copytree(
+    full_run[0] / 'checkpoints' / str(resume_from), tmp_path / 'checkpoints' / str(resume_from)
+  )
+  config = tiny_config(data_dir, mesh_shape=(2, 2, 2))
+  validation.validate_config(config, num_devices=jax.device_count())
+  mesh = train.create_mesh(config)
+  assert dict(mesh.shape) == {'x': 2, 'y': 2, 'z': 2}
+  data = train._open_data(config, mesh)
+  assert data.sharding.spec == jax.sharding.PartitionSpec(('x', 'y', 'z'))
+  program = train._build_program(config, mesh, data)
+  store = checkpoints.VerifiedCheckpoints(tmp_path)
+  try:
+    state = train.restore_or_create_state(
+      store, program.init_fn, program.key, program.state_sharding
+    )
+  finally:
+    store.close()
+  assert int(state.step) == resume_from
+  batch, _ = next(train._train_batches(config, data, start_step=resume_from))
+  state, metrics = program.train_step(state, batch)
+  assert int(state.step) == resume_from + 1
+  expected = _losses(full_run[0])[resume_from + 1]
+  np.testing.assert_allclose(float(metrics['train_loss']), expected, rtol=1e-5)
 
 
 def test_sigterm_checkpoints_and_resume_is_bitwise_equal(full_run, data_dir, tmp_path, monkeypatch):

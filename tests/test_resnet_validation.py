@@ -11,13 +11,15 @@ import pytest
 
 from resnet import data_sources, train, validation
 from resnet.configs import default
+from torus_collectives import registry
 
 # (field, bad value, part of the message). Fields whose type already admits no bad value
 # (booleans, data_dir, num_train_steps) are absent: ml_collections keeps each field's type.
 BAD_VALUES = [
   ('simulated_cpu_devices', -1, 'an integer >= 0'),
-  ('mesh_shape', (2, 2, 2), 'one or two positive integers'),
+  ('mesh_shape', (2, 2, 2, 1), 'one, two or three positive integers'),
   ('mesh_shape', (4, 4), 'must multiply to the 8 devices'),
+  ('mesh_shape', (2, 2, 4), 'must multiply to the 8 devices'),
   ('dataset', 'mnist', "'digits', 'imagenet2012' or 'folder:<root>'"),
   ('train_split', '', 'a non-empty string'),
   ('eval_split', '', 'a non-empty string'),
@@ -72,6 +74,17 @@ def test_bad_value_is_named_with_its_range_before_anything_is_built(field, value
   assert f'config.{field}={value!r}' in message or f'config.{field}={value}' in message, message
   assert valid in message
   assert not workdir.exists()
+
+
+@pytest.mark.parametrize('shape', [(), (8,), (2, 4), (2, 2, 2)])
+def test_torus_meshes_of_one_to_three_axes_are_valid(shape):
+  config = default.get_config()
+  config.mesh_shape = shape
+  validation.validate_config(config, num_devices=8)
+
+
+def test_the_mesh_axis_limit_is_the_librarys():
+  assert validation.MAX_MESH_AXES == registry.MAX_TORUS_AXES
 
 
 @pytest.fixture(scope='module')

@@ -17,11 +17,15 @@ package's core must not (Pallas loads only with the kernels).
   ``shard_map`` and interpret-mode context (``_vma``, ``collectives``, ``target``).
 * ``bool_state``: a jax config option of the package's own, keyed into jit's cache
   (``registry.bitwise_as_lax``).
+* ``coordination_client``: the key-value store of ``jax.distributed``'s coordination
+  service, which jax does not expose publicly (``resnet.faults``'s liveness heartbeat;
+  orbax and ``jax.experimental.multihost_utils`` read it the same way).
 """
 
 import weakref
 
 from jax._src import config as _config
+from jax._src import distributed as _distributed
 from jax._src import xla_bridge
 from jax._src.core import Jaxpr, Literal, Primitive, Tracer, get_axis_env, pvary
 
@@ -61,6 +65,13 @@ def auto_pcast() -> bool:
   return bool(_config.auto_pcast.value)
 
 
+def coordination_client():
+  """The client of the coordination service started by ``jax.distributed.initialize``
+  (``key_value_set``, ``key_value_try_get``, ``key_value_increment``, ...), or None when
+  it was not called."""
+  return _distributed.global_state.client
+
+
 def pallas_tpu_interpret_mode() -> bool:
   """Whether a ``pltpu.force_tpu_interpret_mode`` context is active."""
   return _config.pallas_tpu_interpret_mode_context_manager.value is not None
@@ -75,6 +86,7 @@ __all__ = [
   "bool_state",
   "backends_initialized",
   "check_vma",
+  "coordination_client",
   "get_axis_env",
   "pallas_tpu_interpret_mode",
   "production_order",
