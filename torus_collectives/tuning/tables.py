@@ -76,6 +76,7 @@ import numpy as np
 
 from torus_collectives import cost_model
 from torus_collectives import schedule as schedule_lib
+from torus_collectives.axes import drop_unit_axes
 from torus_collectives.sizes import size_label
 
 FORMAT = 2
@@ -233,7 +234,7 @@ _DEFAULT_3D_GENERATION = "v5p"
 def latency_floor_bytes(torus: tuple[int, ...], device_kind: str) -> int:
   """Bytes below which the modelled torus all-reduce spends more time in per-hop latency
   than in moving data: "auto" is XLA there without a measurement."""
-  kept = tuple(n for n in torus if n > 1)
+  (kept,) = drop_unit_axes(torus)
   if not kept:
     return 0
   name = next((g for k, g in _GENERATIONS if device_kind.startswith(k)), _DEFAULT_GENERATION)

@@ -55,6 +55,7 @@ from jax import lax
 
 from torus_collectives import _jax_internals as jax_internals
 from torus_collectives._vma import ensure_varying, vma_checked
+from torus_collectives.axes import names as axis_names
 from torus_collectives.layout import ceil_div, pad_to
 
 # Primitives that act elementwise: the value at a position depends only on the operands at
@@ -424,8 +425,7 @@ def _bind(primitive, operands, params):
 
 
 def _axes_of(eqn) -> tuple:
-  axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
-  return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+  return axis_names(eqn.params.get("axes", eqn.params.get("axis_name", ())))
 
 
 def _keeps_order(shape, permutation) -> bool:
