@@ -27,11 +27,21 @@ Semantics follow lax: chunk order row-major over a tuple of axis names, lax's ``
 meaning, ``axis_index_groups`` (on the torus when the groups are aligned tiles of it, see
 ``groups``), ``to="invarying"``, axes bound by ``shard_map``, ``pmap`` or
 ``vmap(axis_name=...)``, and Python scalars. Booleans are summed as int32, as lax does.
+
+``group_sum`` sums over the replicas of each aligned tile of the torus (``groups``), as
+distributed batch norm does: the sum inside a tile is latency-bound (a few per-channel
+vectors), so it takes as few steps as possible:
+
+* an axis the tile spans whole: one all-reduce over all such axes together;
+* an axis the tile covers partly: recursive doubling, ``log2(t_a)`` exchanges with the XOR
+  partner ``i ^ 2**k`` (``lax.ppermute``). Partners never leave an aligned tile when
+  ``t_a`` is a power of two, which is therefore required of partial extents (torus axes
+  are powers of two on every TPU slice this targets). ``a + b`` is commutative in IEEE
+  arithmetic, so both partners, and hence every replica of the tile, hold identical bits.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import operator
 from collections.abc import Hashable, Sequence
@@ -39,11 +49,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from torus_collectives import _jax_internals as jax_internals
-from torus_collectives import primitives, registry
+from torus_collectives import axes, primitives, registry
+from torus_collectives import groups as groups_lib
 from torus_collectives._vma import ensure_varying, vma_checked
 from torus_collectives.configs import KernelConfig
 from torus_collectives.registry import Implementation
@@ -60,30 +70,6 @@ def _check_args(implementation, config) -> None:
   registry.check_name(implementation)
   if config is not None and not isinstance(config, KernelConfig):
     raise ValueError(f"config must be a tc.KernelConfig or None, got {config=}")
-
-
-def _group_tiles(tile: tuple[int, ...], sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
-  """The aligned tiles of ``tile`` on axes of ``sizes``, as row-major linear indices."""
-  grid = np.arange(math.prod(sizes)).reshape(sizes)
-  blocks = grid.reshape([d for n, t in zip(sizes, tile) for d in (n // t, t)])
-  k = len(sizes)
-  order = list(range(0, 2 * k, 2)) + list(range(1, 2 * k, 2))
-  return [tuple(g) for g in blocks.transpose(order).reshape(-1, math.prod(tile)).tolist()]
-
-
-def tile_of_groups(groups, sizes: tuple[int, ...], ordered: bool) -> tuple[int, ...] | None:
-  """The tile shape whose aligned tiles are exactly ``groups`` (each listed row-major when
-  ``ordered``), or None."""
-  groups = [tuple(int(i) for i in g) for g in groups]
-  if not groups or any(len(g) != len(groups[0]) for g in groups):
-    return None
-  key = (lambda g: g) if ordered else (lambda g: tuple(sorted(g)))
-  wanted = sorted(map(key, groups))
-  divisors = [[t for t in range(1, n + 1) if n % t == 0] for n in sizes]
-  for tile in itertools.product(*divisors):
-    if math.prod(tile) == len(groups[0]) and sorted(map(key, _group_tiles(tile, sizes))) == wanted:
-      return tile
-  return None
 
 
 def _full_nbytes(op: str, leaves, group_size: int) -> int:
@@ -115,7 +101,7 @@ class _Call:
     self.tile = self.sizes
     group_kind = None
     if groups is not None and self.sizes:
-      tile = tile_of_groups(groups, self.sizes, ordered=op != "all_reduce")
+      tile = groups_lib.tile_of_groups(groups, self.sizes, ordered=op != "all_reduce")
       group_kind = "other" if tile is None else "tile"
       self.tile = tile or self.sizes
     elif groups is not None:
@@ -427,3 +413,33 @@ def all_gather(
       out[i] = stacked
       offset += a.size
   return jax.tree.unflatten(treedef, out)
+
+
+def _xor_exchange_sum(x, axis: str, size: int, extent: int):
+  """Sum of ``x`` over aligned blocks of ``extent`` replicas along ``axis``."""
+  distance = 1
+  while distance < extent:
+    perm = [(i, i ^ distance) for i in range(size)]
+    x = jax.tree.map(lambda v, perm=perm: v + lax.ppermute(v, axis, perm), x)
+    distance *= 2
+  return x
+
+
+def group_sum(x, axis_names: Sequence[str], tile: Sequence[int]):
+  """Sums the pytree ``x`` over the replicas of each tile (``tile`` from
+  ``groups.resolve_tile``), inside ``jax.shard_map`` (or another context that binds the
+  axes).
+
+  Whole axes go through one torus all-reduce (``all_reduce``); partial axes through
+  recursive doubling (see the module docstring).
+  """
+  axis_names = tuple(axis_names)
+  sizes = tuple(lax.axis_size(a) for a in axis_names)
+  sizes, axis_names, tile = axes.drop_unit_axes(sizes, axis_names, tuple(tile))
+  whole = tuple(a for a, t, n in zip(axis_names, tile, sizes) if t == n)
+  if whole:
+    x = jax.tree.map(lambda v: all_reduce(v, whole), x)
+  for axis, extent, size in zip(axis_names, tile, sizes):
+    if 1 < extent < size:
+      x = _xor_exchange_sum(x, axis, size, extent)
+  return x

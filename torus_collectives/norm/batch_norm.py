@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from torus_collectives import groups, registry
+from torus_collectives import collectives, groups, registry
 from torus_collectives.norm import passes
 from torus_collectives.norm.block_sizes import BlockSizes
 from torus_collectives.registry import Implementation
@@ -63,7 +63,7 @@ def _pass(cfg: _Config, name: str, *args, **kwargs):
 
 
 def _group_sum(x, cfg: _Config):
-  return groups.group_sum(x, cfg.axis_names, cfg.tile) if cfg.axis_names else x
+  return collectives.group_sum(x, cfg.axis_names, cfg.tile) if cfg.axis_names else x
 
 
 def _forward(x, scale, bias, cfg: _Config):
