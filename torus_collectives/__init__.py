@@ -11,10 +11,11 @@ below it):
   ``tuning``, what "auto" measured and the tuner that measures it;
 * the implementations: ``backends`` (portable) and ``kernels`` (Pallas, loaded only when
   chosen), on ``primitives`` (their JAX transformation rules);
-* the shared facts: ``schedule`` (the algorithm as data), ``layout``, ``groups`` (replica
-  groups as tiles), ``topology``, ``configs``, ``target`` (the device being traced for),
-  ``cost_model`` (its alpha-beta prices), ``xla_settings``, and the private-jax and vma
-  helpers.
+* the shared facts: ``schedule`` (the algorithm as data), ``layout``, ``packing`` (pytrees
+  as flat buffers), ``axes`` (axis names, size-one axes), ``groups`` (replica groups as
+  tiles), ``topology``, ``configs``, ``target`` (the device being traced for),
+  ``cost_model`` (its alpha-beta prices), ``sizes`` (byte counts as text),
+  ``xla_settings``, and the private-jax and vma helpers.
 
 A subpackage groups modules that serve one feature and are read together (batch norm's
 op, reference passes, tunable and flax module; the tuner with its tables and timing; the

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from torus_collectives import collectives, groups, registry
+from torus_collectives import axes, collectives, groups, registry
 from torus_collectives.norm import passes
 from torus_collectives.norm.block_sizes import BlockSizes
 from torus_collectives.registry import Implementation
@@ -201,10 +201,10 @@ def batch_norm(
       raise ValueError(f"{group_size=} needs axis_name: the mesh axes the group spans")
     axis_names, tile = (), ()
   else:
-    axis_names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    axis_names = axes.names(axis_name)
     tile = groups.resolve_tile(group_size, _axis_sizes(axis_names))
-  nbytes = x.size * x.dtype.itemsize
-  impl = registry.resolve("batch_norm", implementation, x.dtype, nbytes=nbytes, torus=tile)
+  request = registry.Request("batch_norm", (x.dtype,), x.size * x.dtype.itemsize, tile)
+  impl = registry.resolve(implementation, request)
   cfg = _Config(axis_names, tile, float(epsilon), bool(relu), impl, block_sizes)
   y, mean, var = _batch_norm(x, scale, bias, cfg)
   return y, lax.stop_gradient(mean), lax.stop_gradient(var)
