@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
 from torus_collectives import primitives
+from torus_collectives.sizes import size_label
 from torus_collectives.topology import most_square_shape
 
 # Trainable parameters of ResNet-50 (ImageNet, 1000 classes): its gradient's size.
@@ -238,7 +239,7 @@ def main(argv=None) -> None:
       for impl in ("pallas", "xla")
     }
     rows = {impl: summary(c) for impl, c in compiled.items()}
-    print(f"\n{dtype}  ({nbytes / 2**20:.1f} MiB)")
+    print(f"\n{dtype}  ({size_label(nbytes)})")
     print(f"  {'':22s}{'pallas torus':>18s}{'xla psum':>18s}")
     for key in rows["xla"]:
       print(f"  {key:22s}{rows['pallas'][key]:18,.0f}{rows['xla'][key]:18,.0f}")

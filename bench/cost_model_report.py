@@ -22,7 +22,7 @@ from torus_collectives.cost_model import (
   GENERATIONS,
   RESNET50_PARAMS,
   Generation,
-  candidates,
+  compared_schedules,
   lower_bound,
   predict,
 )
@@ -44,12 +44,12 @@ def resnet50_table(
   collective: schedule_lib.Collective = "all_reduce",
   reduce_pieces: int | None = None,
 ) -> list[dict]:
-  """One row per pod, gradient dtype and (variant, logical torus) candidate."""
+  """One row per pod, gradient dtype and compared (variant, logical torus) schedule."""
   rows = []
   for name, torus in PODS:
     generation = _with_alpha(GENERATIONS[name], alpha)
     for dtype, itemsize in DTYPE_BYTES.items():
-      for variant, logical in candidates(torus):
+      for variant, logical in compared_schedules(torus):
         pred = predict(
           collective,
           torus,
@@ -71,7 +71,7 @@ def _shape(torus: Sequence[int]) -> str:
   return "x".join(map(str, torus))
 
 
-def format_table(rows: list[dict]) -> str:
+def format_predictions(rows: list[dict]) -> str:
   header = (
     f"{'pod':<15}{'dtype':<10}{'variant':<20}{'on':<9}{'steps':>6}{'time ms':>10}"
     f"{'bw ms':>9}{'lat ms':>9}{'bound ms':>10}{'x bound':>9}"
@@ -109,7 +109,7 @@ def plot_time_vs_p(
     generation = _with_alpha(GENERATIONS[name], alpha)
     sides = [n for n in (2, 4, 8, 16, 32) if n <= pod[0]]
     ps = [n ** len(pod) for n in sides]
-    for variant, logical in candidates((sides[0],) * len(pod)):
+    for variant, logical in compared_schedules((sides[0],) * len(pod)):
       folded = len(logical) == 2 and len(pod) == 3
       times = [
         predict(
@@ -173,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   )
   if args.reduce_pieces is not None:
     print(f"adds priced at HBM bandwidth, slabs in {args.reduce_pieces} pipelined piece(s)")
-  print(format_table(resnet50_table(args.alpha, args.collective, args.reduce_pieces)))
+  print(format_predictions(resnet50_table(args.alpha, args.collective, args.reduce_pieces)))
   if args.plot:
     chosen = args.plot_generations.split(",") if args.plot_generations else None
     plot_time_vs_p(args.plot, args.alpha, generations=chosen)

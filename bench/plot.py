@@ -26,12 +26,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bench import cost_model_report  # noqa: E402
+from torus_collectives.sizes import size_label  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-
-
-def _size_label(nbytes: int) -> str:
-  return f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:g} KiB"
 
 
 def expand(benchmarks: list[dict]) -> list[dict]:
@@ -173,7 +170,7 @@ def markdown(data: dict) -> str:
         cells.append(f"{info['busbw_GBps']:.2f}" if "busbw_GBps" in info else "-")
         ratio = info.get("time_ratio_to_xla")
         cells.append(f"{ratio:.2f}" if ratio is not None else "-")
-      lines.append(f"| {collective} | {mesh} | {_size_label(nbytes)} | " + " | ".join(cells) + " |")
+      lines.append(f"| {collective} | {mesh} | {size_label(nbytes)} | " + " | ".join(cells) + " |")
   others = [b for b in benchmarks if "items_per_s" in b["extra_info"]]
   if others:
     lines += [

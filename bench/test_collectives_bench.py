@@ -21,11 +21,11 @@ from jax.sharding import PartitionSpec as P
 from settings import FULL
 
 import torus_collectives as tc
+from torus_collectives.sizes import KiB, MiB, size_label
 
 IMPLEMENTATIONS = ("xla", "shard_map", "lax_torus", "auto")  # those that run on CPU
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 MESHES = ((2, 4), (1, 8))
-KiB, MiB = 2**10, 2**20
 SIZES = (
   (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB)
   if FULL
@@ -33,10 +33,6 @@ SIZES = (
 )
 AXES = ("x", "y")
 DTYPE = jnp.float32
-
-
-def _label(nbytes: int) -> str:
-  return f"{nbytes // MiB}MiB" if nbytes >= MiB else f"{nbytes // KiB}KiB"
 
 
 def _per_device_op(collective: str, implementation: str):
@@ -53,7 +49,7 @@ def bus_factor(collective: str, n: int) -> float:
 
 
 CASES = [
-  pytest.param(c, m, s, id=f"{c}-{m[0]}x{m[1]}-{_label(s)}")
+  pytest.param(c, m, s, id=f"{c}-{m[0]}x{m[1]}-{size_label(s, sep="")}")
   for c, m, s in itertools.product(COLLECTIVES, MESHES, SIZES)
 ]
 
@@ -77,7 +73,7 @@ def test_collective(benchmark, interleaved, collective, mesh_shape, nbytes):
     )
     calls[implementation] = lambda fn=fn: fn(x)
 
-  benchmark.group = f"{collective} {mesh_shape[0]}x{mesh_shape[1]} {_label(nbytes)}"
+  benchmark.group = f"{collective} {mesh_shape[0]}x{mesh_shape[1]} {size_label(nbytes, sep="")}"
   runs = interleaved(calls, baseline="xla")
 
   expected = {"all_reduce": elements, "reduce_scatter": elements // n, "all_gather": elements}[

@@ -47,7 +47,29 @@ from torus_collectives._vma import varying_like
 from torus_collectives.configs import scoped_vmem_bytes, vmem_bytes
 from torus_collectives.layout import LANES, SUBLANES, ceil_div, from_bn_view, to_bn_view
 from torus_collectives.norm.block_sizes import BlockSizes
-from torus_collectives.norm.passes import Passes
+from torus_collectives.norm.passes import (
+  AFFINE_BIAS,
+  AFFINE_ROWS,
+  AFFINE_SCALE,
+  BACKWARD_COEF_ROWS,
+  COEF_A,
+  COEF_B,
+  COEF_BIAS,
+  COEF_K_0,
+  COEF_K_XC,
+  COEF_MEAN,
+  COEF_MUL,
+  FORWARD_COEF_ROWS,
+  LOCAL_MEAN,
+  LOCAL_VAR,
+  STATS_M2,
+  STATS_MEAN,
+  STATS_ROWS,
+  SUM_G,
+  SUM_G_XC,
+  SUMS_ROWS,
+  Passes,
+)
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -69,17 +91,23 @@ def _sum_rows(v):
   return jnp.sum(jnp.sum(v, axis=0), axis=0, keepdims=True)
 
 
+def _row(k: int) -> slice:
+  """Row ``k`` of a per-channel ``[k, C]`` array (its rows: ``norm.passes``'s constants),
+  kept two-dimensional."""
+  return slice(k, k + 1)
+
+
 def _coef(coef_ref, k: int):
   """Row ``k`` of the per-channel coefficients, shaped to broadcast over a block."""
-  return coef_ref[k : k + 1, :][None]
+  return coef_ref[_row(k), :][None]
 
 
 def _relu_masked_cotangent(x, dy, coef_ref, relu: bool):
   """Float32 (x - mean, g): g is dy, zeroed where the fused ReLU clipped the output."""
-  xc = x.astype(jnp.float32) - _coef(coef_ref, 0)
+  xc = x.astype(jnp.float32) - _coef(coef_ref, COEF_MEAN)
   g = dy.astype(jnp.float32)
   if relu:
-    g = jnp.where(xc * _coef(coef_ref, 1) + _coef(coef_ref, 2) > 0, g, 0.0)
+    g = jnp.where(xc * _coef(coef_ref, COEF_MUL) + _coef(coef_ref, COEF_BIAS) > 0, g, 0.0)
   return xc, g
 
 
@@ -88,7 +116,8 @@ def _stats_kernel(x_ref, out_ref, *, rows: int, block_rows: int):
 
 
 def _accumulate_moments(x, out_ref, axis: int, *, rows: int, block_rows: int):
-  """Merges the (mean, M2) of row block ``program_id(axis)`` of x into out_ref[0:2]."""
+  """Merges the (mean, M2) of row block ``program_id(axis)`` of x into out_ref's rows
+  STATS_MEAN and STATS_M2."""
   i = pl.program_id(axis)
   sublanes = x.shape[1]
   mask = _row_mask(block_rows, rows, axis)
@@ -99,22 +128,23 @@ def _accumulate_moments(x, out_ref, axis: int, *, rows: int, block_rows: int):
 
   @pl.when(i == 0)
   def _():
-    out_ref[0:1, :] = block_mean
-    out_ref[1:2, :] = block_m2
+    out_ref[_row(STATS_MEAN), :] = block_mean
+    out_ref[_row(STATS_M2), :] = block_m2
 
   @pl.when(i > 0)
   def _():
     seen = (i * block_rows * sublanes).astype(jnp.float32)
     total = seen + count
-    mean = out_ref[0:1, :]
+    mean = out_ref[_row(STATS_MEAN), :]
     delta = block_mean - mean
-    out_ref[0:1, :] = mean + delta * (count / total)
-    out_ref[1:2, :] = out_ref[1:2, :] + block_m2 + delta * delta * (seen * count / total)
+    out_ref[_row(STATS_MEAN), :] = mean + delta * (count / total)
+    m2 = out_ref[_row(STATS_M2), :] + block_m2 + delta * delta * (seen * count / total)
+    out_ref[_row(STATS_M2), :] = m2
 
 
 def _normalize_kernel(x_ref, coef_ref, y_ref, *, relu: bool):
-  y = (x_ref[...].astype(jnp.float32) - _coef(coef_ref, 0)) * _coef(coef_ref, 1)
-  y = y + _coef(coef_ref, 2)
+  y = (x_ref[...].astype(jnp.float32) - _coef(coef_ref, COEF_MEAN)) * _coef(coef_ref, COEF_MUL)
+  y = y + _coef(coef_ref, COEF_BIAS)
   if relu:
     y = jnp.maximum(y, 0.0)
   y_ref[...] = y.astype(y_ref.dtype)
@@ -127,7 +157,8 @@ def _backward_sums_kernel(
 
 
 def _accumulate_sums(x, dy, coef_ref, out_ref, axis: int, rows: int, block_rows: int, relu):
-  """Adds (sum g, sum g * (x - mean)) of row block ``program_id(axis)`` to out_ref."""
+  """Adds (sum g, sum g * (x - mean)) of row block ``program_id(axis)`` to out_ref's rows
+  SUM_G and SUM_G_XC."""
   mask = _row_mask(block_rows, rows, axis)
   xc, g = _relu_masked_cotangent(x, dy, coef_ref, relu)
   sum_g = _sum_rows(_masked(g, mask))
@@ -137,13 +168,13 @@ def _accumulate_sums(x, dy, coef_ref, out_ref, axis: int, rows: int, block_rows:
   def _():
     out_ref[...] = jnp.zeros_like(out_ref)
 
-  out_ref[0:1, :] += sum_g
-  out_ref[1:2, :] += sum_gxc
+  out_ref[_row(SUM_G), :] += sum_g
+  out_ref[_row(SUM_G_XC), :] += sum_gxc
 
 
 def _backward_dx_kernel(x_ref, dy_ref, coef_ref, dx_ref, *, relu: bool):
   xc, g = _relu_masked_cotangent(x_ref[...], dy_ref[...], coef_ref, relu)
-  dx = g * _coef(coef_ref, 1) + xc * _coef(coef_ref, 3) + _coef(coef_ref, 4)
+  dx = g * _coef(coef_ref, COEF_MUL) + xc * _coef(coef_ref, COEF_K_XC) + _coef(coef_ref, COEF_K_0)
   dx_ref[...] = dx.astype(dx_ref.dtype)
 
 
@@ -169,14 +200,15 @@ def _local_forward_kernel(
     _accumulate_moments(x_ref[...], stats_ref, 2, rows=rows, block_rows=block_rows)
 
   @pl.when((phase == 1) & (pl.program_id(2) == 0))
-  def _():  # M2 -> biased variance, once
-    stats_ref[1:2, :] = stats_ref[1:2, :] / float(rows * x_ref.shape[1])
+  def _():  # M2 -> biased variance, once: stats' rows become local_forward's
+    stats_ref[_row(LOCAL_VAR), :] = stats_ref[_row(STATS_M2), :] / float(rows * x_ref.shape[1])
 
   @pl.when(phase == 1)
   def _():
-    mean, var = stats_ref[0:1, :], stats_ref[1:2, :]
-    mul = affine_ref[0:1, :] * jax.lax.rsqrt(var + epsilon)
-    y = (x_block[...].astype(jnp.float32) - mean[None]) * mul[None] + affine_ref[1:2, :][None]
+    mean, var = stats_ref[_row(LOCAL_MEAN), :], stats_ref[_row(LOCAL_VAR), :]
+    mul = affine_ref[_row(AFFINE_SCALE), :] * jax.lax.rsqrt(var + epsilon)
+    bias = affine_ref[_row(AFFINE_BIAS), :]
+    y = (x_block[...].astype(jnp.float32) - mean[None]) * mul[None] + bias[None]
     if relu:
       y = jnp.maximum(y, 0.0)
     y_ref[...] = y.astype(y_ref.dtype)
@@ -197,9 +229,9 @@ def _local_backward_kernel(
   @pl.when(phase == 1)
   def _():
     xc, g = _relu_masked_cotangent(x_block[...], dy_block[...], coef_ref, relu)
-    k_xc = (coef_ref[3:4, :] * sums_ref[1:2, :])[None]
-    k_0 = (coef_ref[4:5, :] * sums_ref[0:1, :])[None]
-    dx = g * _coef(coef_ref, 1) + xc * k_xc + k_0
+    k_xc = (coef_ref[_row(COEF_A), :] * sums_ref[_row(SUM_G_XC), :])[None]
+    k_0 = (coef_ref[_row(COEF_B), :] * sums_ref[_row(SUM_G), :])[None]
+    dx = g * _coef(coef_ref, COEF_MUL) + xc * k_xc + k_0
     dx_ref[...] = dx.astype(dx_ref.dtype)
 
 
@@ -277,12 +309,12 @@ def stats(x, *, block_sizes: BlockSizes | None = None):
     bs = _block_sizes(v.shape, block_sizes)
     grid, x_spec, _, params = _specs(v.shape, bs, 0, reduce=True)
     kernel = functools.partial(_stats_kernel, rows=v.shape[0], block_rows=bs.block_rows)
-    out_shape = varying_like(v, (2, v.shape[2]), jnp.float32)
+    out_shape = varying_like(v, (STATS_ROWS, v.shape[2]), jnp.float32)
     return pl.pallas_call(
       kernel,
       grid=grid,
       in_specs=[x_spec],
-      out_specs=_reduction_out_spec(2, bs.block_channels),
+      out_specs=_reduction_out_spec(STATS_ROWS, bs.block_channels),
       out_shape=out_shape,
       cost_estimate=_traffic_cost(v, outputs=[out_shape], flops_per_element=5),
       compiler_params=params,
@@ -295,7 +327,7 @@ def normalize(x, coef, *, relu: bool, block_sizes: BlockSizes | None = None):
   with jax.named_scope("bn_normalize"):
     v = to_bn_view(x)
     bs = _block_sizes(v.shape, block_sizes)
-    grid, x_spec, coef_spec, params = _specs(v.shape, bs, 3, reduce=False)
+    grid, x_spec, coef_spec, params = _specs(v.shape, bs, FORWARD_COEF_ROWS, reduce=False)
     out_shape = varying_like(v, v.shape)
     y = pl.pallas_call(
       functools.partial(_normalize_kernel, relu=relu),
@@ -317,16 +349,16 @@ def backward_sums(x, dy, coef, *, relu: bool, block_sizes: BlockSizes | None = N
   with jax.named_scope("bn_backward_sums"):
     v, dv = to_bn_view(x), to_bn_view(dy)
     bs = _block_sizes(v.shape, block_sizes)
-    grid, x_spec, coef_spec, params = _specs(v.shape, bs, 3, reduce=True)
+    grid, x_spec, coef_spec, params = _specs(v.shape, bs, FORWARD_COEF_ROWS, reduce=True)
     kernel = functools.partial(
       _backward_sums_kernel, rows=v.shape[0], block_rows=bs.block_rows, relu=relu
     )
-    out_shape = varying_like(v, (2, v.shape[2]), jnp.float32)
+    out_shape = varying_like(v, (SUMS_ROWS, v.shape[2]), jnp.float32)
     return pl.pallas_call(
       kernel,
       grid=grid,
       in_specs=[x_spec, x_spec, coef_spec],
-      out_specs=_reduction_out_spec(2, bs.block_channels),
+      out_specs=_reduction_out_spec(SUMS_ROWS, bs.block_channels),
       out_shape=out_shape,
       cost_estimate=_traffic_cost(v, dv, coef, outputs=[out_shape], flops_per_element=7),
       compiler_params=params,
@@ -339,7 +371,7 @@ def backward_dx(x, dy, coef, *, relu: bool, block_sizes: BlockSizes | None = Non
   with jax.named_scope("bn_backward_dx"):
     v, dv = to_bn_view(x), to_bn_view(dy)
     bs = _block_sizes(v.shape, block_sizes)
-    grid, x_spec, coef_spec, params = _specs(v.shape, bs, 5, reduce=False)
+    grid, x_spec, coef_spec, params = _specs(v.shape, bs, BACKWARD_COEF_ROWS, reduce=False)
     out_shape = varying_like(v, v.shape)
     dx = pl.pallas_call(
       functools.partial(_backward_dx_kernel, relu=relu),
@@ -402,16 +434,19 @@ def local_forward(
     if params is None:
       return None
     grid, x_spec, out_spec, coef_spec, resident = _local_specs(v.shape, bs)
-    affine = jnp.stack([scale, bias]).astype(jnp.float32)
+    affine = jnp.stack([scale, bias]).astype(jnp.float32)  # AFFINE_SCALE, AFFINE_BIAS
     kernel = functools.partial(
       _local_forward_kernel, rows=v.shape[0], block_rows=bs.block_rows, epsilon=epsilon, relu=relu
     )
-    out_shapes = [varying_like(v, v.shape), varying_like(v, (2, v.shape[2]), jnp.float32)]
+    out_shapes = [
+      varying_like(v, v.shape),
+      varying_like(v, (STATS_ROWS, v.shape[2]), jnp.float32),
+    ]
     y, stats = pl.pallas_call(
       kernel,
       grid=grid,
-      in_specs=[x_spec, coef_spec(2)],
-      out_specs=[out_spec, coef_spec(2)],
+      in_specs=[x_spec, coef_spec(AFFINE_ROWS)],
+      out_specs=[out_spec, coef_spec(STATS_ROWS)],
       out_shape=out_shapes,
       scratch_shapes=[pltpu.VMEM(resident, v.dtype)],
       cost_estimate=_traffic_cost(v, affine, outputs=out_shapes, flops_per_element=9),
@@ -435,12 +470,15 @@ def local_backward(x, dy, coef, *, relu: bool, block_sizes: BlockSizes | None = 
     kernel = functools.partial(
       _local_backward_kernel, rows=v.shape[0], block_rows=bs.block_rows, relu=relu
     )
-    out_shapes = [varying_like(v, v.shape), varying_like(v, (2, v.shape[2]), jnp.float32)]
+    out_shapes = [
+      varying_like(v, v.shape),
+      varying_like(v, (SUMS_ROWS, v.shape[2]), jnp.float32),
+    ]
     dx, sums = pl.pallas_call(
       kernel,
       grid=grid,
-      in_specs=[x_spec, x_spec, coef_spec(5)],
-      out_specs=[out_spec, coef_spec(2)],
+      in_specs=[x_spec, x_spec, coef_spec(BACKWARD_COEF_ROWS)],
+      out_specs=[out_spec, coef_spec(SUMS_ROWS)],
       out_shape=out_shapes,
       scratch_shapes=[pltpu.VMEM(resident, v.dtype), pltpu.VMEM(resident, dv.dtype)],
       cost_estimate=_traffic_cost(v, dv, coef, outputs=out_shapes, flops_per_element=16),

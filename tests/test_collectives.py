@@ -16,13 +16,14 @@ from collective_cases import mesh_of, per_device, small_integers
 from jax import lax
 
 import torus_collectives as tc
+from torus_collectives.axes import names as axis_names
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.int32]
 AXES = {"xy": ("x", "y"), "yx": ("y", "x"), "x": "x", "y": "y"}
 
 
 def _size(mesh, axis_name):
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  names = axis_names(axis_name)
   return math.prod(mesh.shape[a] for a in names)
 
 

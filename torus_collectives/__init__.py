@@ -11,9 +11,11 @@ below it):
   ``tuning``, what "auto" measured and the tuner that measures it;
 * the implementations: ``backends`` (portable) and ``kernels`` (Pallas, loaded only when
   chosen), on ``primitives`` (their JAX transformation rules);
-* the shared facts: ``schedule`` (the algorithm as data), ``layout``, ``groups``,
-  ``topology``, ``configs``, ``target`` (the device being traced for), ``cost_model`` (its
-  alpha-beta prices), ``xla_settings``, and the private-jax and vma helpers.
+* the shared facts: ``schedule`` (the algorithm as data), ``layout``, ``packing`` (pytrees
+  as flat buffers), ``axes`` (axis names, size-one axes), ``groups`` (replica groups as
+  tiles), ``topology``, ``configs``, ``target`` (the device being traced for),
+  ``cost_model`` (its alpha-beta prices), ``sizes`` (byte counts as text),
+  ``xla_settings``, and the private-jax and vma helpers.
 
 A subpackage groups modules that serve one feature and are read together (batch norm's
 op, reference passes, tunable and flax module; the tuner with its tables and timing; the
@@ -31,6 +33,7 @@ from torus_collectives import schedule
 from torus_collectives.collectives import (
   all_gather,
   all_reduce,
+  group_sum,
   pmean,
   psum,
   psum_scatter,
@@ -38,7 +41,7 @@ from torus_collectives.collectives import (
 )
 from torus_collectives.configs import KernelConfig
 from torus_collectives.gradients import all_reduce_gradients
-from torus_collectives.groups import group_sum, resolve_tile
+from torus_collectives.groups import resolve_tile
 from torus_collectives.norm.batch_norm import batch_norm
 from torus_collectives.norm.block_sizes import BlockSizes
 from torus_collectives.registry import (

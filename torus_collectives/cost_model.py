@@ -379,7 +379,9 @@ def predict(
   )
 
 
-def candidates(physical: Sequence[int]) -> list[tuple[schedule_lib.Variant, tuple[int, ...]]]:
+def compared_schedules(
+  physical: Sequence[int],
+) -> list[tuple[schedule_lib.Variant, tuple[int, ...]]]:
   """(variant, logical torus) pairs worth comparing on ``physical``: every variant on its
   default torus, and on a 3-D torus ``X x Y x Z`` also the 2-D variants on ``X x YZ`` (the
   best a 2-D schedule can do there: the YZ ring snakes through the Y-Z plane)."""

@@ -1,37 +1,27 @@
-"""Replica groups that are contiguous tiles of the torus, and sums across them.
+"""Replica groups that are contiguous tiles of the torus.
 
 Distributed batch norm sums its per-channel statistics over a small group of replicas
-rather than the whole mesh. A group here is a tile: a sub-box of the named mesh axes with
-extent ``t_a`` along axis ``a``, where every ``t_a`` divides the axis size ``n_a``, and the
-tiles are aligned (replica ``i`` along axis ``a`` belongs to tile ``i // t_a``).
+rather than the whole mesh, and the torus collectives run ``axis_index_groups`` that are
+such groups. A group here is a tile: a sub-box of the named mesh axes with extent ``t_a``
+along axis ``a``, where every ``t_a`` divides the axis size ``n_a``, and the tiles are
+aligned (replica ``i`` along axis ``a`` belongs to tile ``i // t_a``).
 
 ``group_size`` names a tile by its replica count, filled along the last named axis first:
 on a 2x4 mesh with axes ("x", "y"), 2 -> (1, 2), 4 -> (1, 4), 8 -> (2, 4). A tuple gives
-the tile shape explicitly.
+the tile shape explicitly (``resolve_tile``). ``tile_of_groups`` reads the tile back off
+explicit ``axis_index_groups``. The sum over the replicas of each tile is
+``collectives.group_sum``.
 
-The sum inside a tile is latency-bound (a few per-channel vectors), so it takes as few
-steps as possible:
-
-* an axis the tile spans whole: one all-reduce over all such axes together;
-* an axis the tile covers partly: recursive doubling, ``log2(t_a)`` exchanges with the XOR
-  partner ``i ^ 2**k`` (``lax.ppermute``). Partners never leave an aligned tile when
-  ``t_a`` is a power of two, which is therefore required of partial extents (torus axes
-  are powers of two on every TPU slice this targets). ``a + b`` is commutative in IEEE
-  arithmetic, so both partners, and hence every replica of the tile, hold identical bits.
-
-Every function here runs inside ``jax.shard_map`` (or another context that binds the axes).
+Everything here is arithmetic on axis sizes and replica indices: no collectives.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
-import jax
 import numpy as np
-from jax import lax
-
-from torus_collectives.collectives import all_reduce
 
 GroupSize = int | Sequence[int] | None
 
@@ -116,28 +106,37 @@ def resolve_tile(group_size: GroupSize, sizes: Sequence[int]) -> tuple[int, ...]
   )
 
 
-def _xor_exchange_sum(x, axis: str, size: int, extent: int):
-  """Sum of ``x`` over aligned blocks of ``extent`` replicas along ``axis``."""
-  distance = 1
-  while distance < extent:
-    perm = [(i, i ^ distance) for i in range(size)]
-    x = jax.tree.map(lambda v, perm=perm: v + lax.ppermute(v, axis, perm), x)
-    distance *= 2
-  return x
+def _group_tiles(tile: tuple[int, ...], sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+  """The aligned tiles of ``tile`` on axes of ``sizes``, as row-major linear indices."""
+  grid = np.arange(math.prod(sizes)).reshape(sizes)
+  blocks = grid.reshape([d for n, t in zip(sizes, tile) for d in (n // t, t)])
+  k = len(sizes)
+  order = list(range(0, 2 * k, 2)) + list(range(1, 2 * k, 2))
+  return [tuple(g) for g in blocks.transpose(order).reshape(-1, math.prod(tile)).tolist()]
 
 
-def group_sum(x, axis_names: Sequence[str], tile: Sequence[int]):
-  """Sums the pytree ``x`` over the replicas of each tile (``tile`` from ``resolve_tile``).
+def _replica_lists(groups) -> list[tuple[int, ...]] | None:
+  """``groups`` as tuples of replica indices, or None where they are not lists of ints."""
+  try:
+    return [tuple(int(i) for i in g) for g in groups]
+  except (TypeError, ValueError):
+    return None
 
-  Whole axes go through one torus all-reduce (``tc.all_reduce``); partial axes through
-  recursive doubling.
-  """
-  axis_names = tuple(axis_names)
-  sizes = tuple(lax.axis_size(a) for a in axis_names)
-  whole = tuple(a for a, t, n in zip(axis_names, tile, sizes) if t == n and n > 1)
-  if whole:
-    x = jax.tree.map(lambda v: all_reduce(v, whole), x)
-  for axis, extent, size in zip(axis_names, tile, sizes):
-    if 1 < extent < size:
-      x = _xor_exchange_sum(x, axis, size, extent)
-  return x
+
+def tile_of_groups(groups, sizes: Sequence[int], ordered: bool) -> tuple[int, ...] | None:
+  """The tile shape whose aligned tiles on axes of ``sizes`` are exactly ``groups`` (each
+  listed row-major when ``ordered``), or None (also where ``groups`` is not a list of
+  lists of replica indices)."""
+  sizes = tuple(sizes)
+  replicas = _replica_lists(groups)
+  if not replicas or any(len(g) != len(replicas[0]) for g in replicas):
+    return None
+  key = (lambda g: g) if ordered else (lambda g: tuple(sorted(g)))
+  wanted = sorted(map(key, replicas))
+  divisors = [[t for t in range(1, n + 1) if n % t == 0] for n in sizes]
+  for tile in itertools.product(*divisors):
+    if math.prod(tile) != len(replicas[0]):
+      continue
+    if sorted(map(key, _group_tiles(tile, sizes))) == wanted:
+      return tile
+  return None

@@ -39,6 +39,7 @@ from jax.interpreters import ad, batching, mlir
 from torus_collectives import _jax_internals as jax_internals
 from torus_collectives import registry, target
 from torus_collectives._vma import vma_checked
+from torus_collectives.axes import names as axis_names
 from torus_collectives.layout import accumulation_dtype
 
 KINDS = ("reduce_scatter", "all_gather", "all_reduce")
@@ -165,7 +166,7 @@ def _explicit_batch_axes(x) -> tuple[str, ...]:
   spec = getattr(jax.typeof(x).sharding, "spec", None)
   if not spec or spec[0] is None:
     return ()
-  return tuple(spec[0]) if isinstance(spec[0], (tuple, list)) else (spec[0],)
+  return axis_names(spec[0])
 
 
 def _fold_batch_local(kind, x, params):

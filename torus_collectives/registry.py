@@ -4,7 +4,9 @@ Each implementation is one ``Backend`` record in ``BACKENDS``: its ops and dtype
 it runs (replica groups, torus ranks, ``to=``, partially manual meshes, device kinds) and
 lazy loaders of its functions. Everything that dispatches (the collectives, gradient
 summation, batch norm, ``sharded_update``, the tuner) reads these records, so a new
-backend is one ``register`` call.
+backend is one ``register`` call. Each op gathers the facts of a call once, as a
+``Request``, and ``resolve(implementation, request)`` is the one function that turns an
+``implementation=`` argument into the concrete backend that runs the call.
 
 Four ops have implementations: the three collectives (``all_reduce``, ``reduce_scatter``,
 ``all_gather``) and ``batch_norm``; the gradient summation of a pytree
@@ -18,11 +20,13 @@ Four ops have implementations: the three collectives (``all_reduce``, ``reduce_s
 * ``"pallas"``: the remote-DMA torus kernels and the fused batch-norm kernels of
   ``torus_collectives.kernels``; TPU v4 and newer, or TPU interpret mode on any host.
 * ``"auto"``: one rule for every op, ``auto_implementation``: what the tuner measured
-  (``tuning.tables``), XLA where nothing was measured, and XLA without measuring below the
-  size at which the cost model's latency term dominates. An op or dtype the measured choice does not
-  support falls back to XLA. Batch norm is XLA whatever was measured: timed alone its
-  Pallas kernels beat XLA's fusions, but inside a network XLA fuses batch norm into the
-  neighbouring convolutions, which an opaque kernel cannot join (see ``auto_implementation``).
+  (``tuning.tables``), XLA where nothing was measured (calls over vmap, pmap or
+  positional axes included: the tables time tori of mesh axes), and XLA without measuring
+  below the size at which the cost model's latency term dominates. A request the measured
+  choice does not run falls back to XLA (``resolve``). Batch norm is XLA whatever was
+  measured: timed alone its Pallas kernels beat XLA's fusions, but inside a network XLA
+  fuses batch norm into the neighbouring convolutions, which an opaque kernel cannot join
+  (see ``auto_implementation``).
   What "auto" promises about values, and the switch that keeps it bitwise: see
   ``auto_implementation`` and ``bitwise_as_lax``.
 
@@ -38,7 +42,8 @@ caller's ``shard_map`` with ``axes`` bound and ``torus`` their sizes (same order
 A backend that runs replica groups (``axis_index_groups`` that tile the torus) takes
 ``tile=`` (the group's extent per axis) as well, and one with ``pallas_kernels`` takes
 ``config=``. ``unsupported`` reads from its record which requests an implementation cannot
-run; "auto" sends those to XLA, an explicit choice raises.
+run; ``resolve`` sends those to XLA for "auto", and raises that error for an explicit
+choice.
 """
 
 from __future__ import annotations
@@ -395,38 +400,27 @@ def check_name(implementation: str) -> None:
     )
 
 
-def resolve(
-  op: Op,
-  implementation: str,
-  dtype,
-  *,
-  nbytes: int | None = None,
-  torus: tuple[int, ...] = (),
-) -> str:
-  """The concrete implementation to run; raises ValueError on a name or dtype it lacks.
-
-  ``nbytes`` and ``torus`` are what "auto" looks up (``auto_implementation``).
-  """
-  check_name(implementation)
-  if implementation == "auto":
-    return auto_implementation(op, dtype, nbytes=nbytes, torus=torus)
-  backend = BACKENDS[implementation]
-  if op not in backend.ops:
-    offered = ["auto"] + [name for name, b in BACKENDS.items() if op in b.ops]
-    raise ValueError(f'{op} has no implementation="{implementation}"; choose one of {offered}')
-  if not backend.supports(op, dtype):
-    raise backend.dtype_error(op, dtype, 'use implementation="auto" or "xla"')
-  return implementation
-
-
 @dataclasses.dataclass(frozen=True)
-class CollectiveRequest:
-  """The facts of one collective call that decide whether a torus implementation runs it.
+class Request:
+  """The facts of one call that decide which implementation runs it; the op gathers them
+  once per call and hands them to ``resolve``.
+
+  Every op gives ``op``, ``dtypes``, ``nbytes`` and ``torus``; a collective call gives the
+  facts of its axes and arguments as well (the defaults are those of a call over bound
+  mesh axes that asks nothing special).
 
   Attributes:
-    op: one of ``COLLECTIVES``.
-    dtypes: the dtypes of the leaves.
-    mesh_axes: how many of the named axes are mesh axes (the rest are vmap axes).
+    op: one of ``TUNED_OPS``.
+    dtypes: the dtypes of the inputs (a collective's leaves, as summed), distinct; the
+      first is the one "auto" looks up.
+    nbytes: the full (unscattered, gathered) buffer's bytes, which "auto" looks up with
+      ``torus``; None: nothing to look up.
+    torus: the extents of the group the op runs over: the sizes of the named axes, or of
+      the tile of its replica groups.
+    names: a collective's axis names, as given.
+    sizes: the sizes of the named axes (empty where one is unbound or positional).
+    mesh_names: the named axes that are manual mesh axes (the others are bound by vmap or
+      pmap).
     unbound: named axes bound by nothing (lax raises NameError for them, except
       ``lax.psum`` inside ``shard_map(check_vma=True)``, which fails an AssertionError; the
       torus implementations raise NameError either way).
@@ -436,21 +430,55 @@ class CollectiveRequest:
     to: the all-gather's ``to=``.
     unreduced: a leaf is typed unreduced or reduced over the named axes.
     partial_manual: the enclosing shard_map leaves some mesh axes automatic.
-    nbytes: the full (unscattered) buffer's bytes, which "auto" looks up with ``torus``.
-    torus: the sizes of the named mesh axes.
   """
 
   op: str
-  dtypes: tuple
-  mesh_axes: int
+  dtypes: tuple = ()
+  nbytes: int | None = None
+  torus: tuple[int, ...] = ()
+  names: tuple = ()
+  sizes: tuple[int, ...] = ()
+  mesh_names: tuple = ()
   unbound: tuple = ()
   positional: bool = False
   groups: str | None = None
   to: str = "varying"
   unreduced: bool = False
   partial_manual: bool = False
-  nbytes: int | None = None
-  torus: tuple[int, ...] = ()
+
+  @property
+  def over_mesh_axes(self) -> bool:
+    """Whether every named axis is a bound mesh axis: only then can a tuning table speak
+    for the call (the tables time tori of mesh axes, never vmap, pmap or positional
+    axes). True for an op that names no axes in its request."""
+    return not self.unbound and not self.positional and len(self.mesh_names) == len(self.names)
+
+
+def resolve(implementation: str, request: Request) -> str:
+  """The concrete implementation that runs ``request``: the one rule of every op.
+
+  * a lax reference ("xla") runs everything, whatever the request;
+  * an explicit choice runs the request or raises the error ``unsupported`` names;
+  * "auto" runs ``auto_implementation``'s measured choice where that choice runs the
+    request, and "xla" everywhere else: where no table speaks for it
+    (``Request.over_mesh_axes``), for floating dtypes under ``bitwise_as_lax``, and for
+    whatever the choice does not support.
+
+  Raises ValueError on an unknown name.
+  """
+  check_name(implementation)
+  if runs_lax(implementation):
+    return implementation
+  if implementation != "auto":
+    error = unsupported(implementation, request)
+    if error is not None:
+      raise error
+    return implementation
+  if not request.over_mesh_axes or any(_keep_on_xla(d) for d in request.dtypes):
+    return "xla"
+  dtype = request.dtypes[0] if request.dtypes else jnp.float32
+  choice = auto_implementation(request.op, dtype, nbytes=request.nbytes, torus=request.torus)
+  return "xla" if choice == "xla" or unsupported(choice, request) else choice
 
 
 # The lax collective each op stands in for, called as lax would be on an unbound axis.
@@ -474,38 +502,58 @@ def lax_unbound_axis_error(op: str, axis) -> NameError:
   return NameError(f"unbound axis name: {axis}")
 
 
-def unsupported(implementation: str, request: CollectiveRequest) -> Exception | None:
-  """Why ``implementation`` cannot run ``request`` (the error to raise), or None: read off
-  its record."""
-  backend = BACKENDS[implementation]
-  if backend.lax_reference:
-    return None
+def _hint(request: Request) -> str:
+  if request.op in COLLECTIVES:
+    return 'use implementation="auto" (it runs lax here) or "xla"'
+  return 'use implementation="auto" or "xla"'
+
+
+def _inputs_error(backend: Backend, request: Request) -> Exception | None:
+  """The op itself, an unbound axis, a dtype."""
+  op = _runs_as(request.op)
+  if op not in backend.ops:
+    offered = ["auto"] + [name for name, b in BACKENDS.items() if op in b.ops]
+    return ValueError(f'{op} has no implementation="{backend.name}"; choose one of {offered}')
   if request.unbound:
-    return lax_unbound_axis_error(request.op, request.unbound[0])
-  hint = 'use implementation="auto" (it runs lax here) or "xla"'
+    return lax_unbound_axis_error(op, request.unbound[0])
   for dtype in request.dtypes:
-    if not backend.supports(request.op, dtype):
-      return backend.dtype_error(request.op, dtype, hint)
-  name = f'implementation="{implementation}"'
+    if not backend.supports(op, dtype):
+      return backend.dtype_error(op, dtype, _hint(request))
+  return None
+
+
+def _axes_error(backend: Backend, request: Request) -> Exception | None:
+  """Positional axes, too many mesh axes."""
+  name, hint = f'implementation="{backend.name}"', _hint(request)
   if request.positional:
     return ValueError(f"positional (int) axis names are not collectives over devices; {hint}")
-  if backend.max_torus_axes is not None and request.mesh_axes > backend.max_torus_axes:
+  mesh_axes = len(request.mesh_names)
+  if backend.max_torus_axes is not None and mesh_axes > backend.max_torus_axes:
     return NotImplementedError(
-      f"{name} runs on tori of at most {backend.max_torus_axes} mesh axes, "
-      f"got {request.mesh_axes}; {hint}"
+      f"{name} runs on tori of at most {backend.max_torus_axes} mesh axes, got {mesh_axes}; {hint}"
     )
-  if request.groups and backend.replica_groups != "any":
-    if request.groups == "other" or backend.replica_groups == "none":
-      tiles = [n for n, b in BACKENDS.items() if b.replica_groups == "tiles"]
-      return ValueError(
-        f"{name} runs axis_index_groups "
-        + (
-          "only when they are aligned tiles of the torus, listed row-major"
-          if backend.replica_groups == "tiles"
-          else f"not at all (aligned tiles of the torus, listed row-major, run on {tiles})"
-        )
-        + f"; {hint}"
-      )
+  return None
+
+
+def _groups_error(backend: Backend, request: Request) -> Exception | None:
+  """``axis_index_groups`` the backend does not run."""
+  if not request.groups or backend.replica_groups == "any":
+    return None
+  if request.groups == "tile" and backend.replica_groups == "tiles":
+    return None
+  if backend.replica_groups == "tiles":
+    which = "only when they are aligned tiles of the torus, listed row-major"
+  else:
+    tiles = [n for n, b in BACKENDS.items() if b.replica_groups == "tiles"]
+    which = f"not at all (aligned tiles of the torus, listed row-major, run on {tiles})"
+  return ValueError(
+    f'implementation="{backend.name}" runs axis_index_groups {which}; {_hint(request)}'
+  )
+
+
+def _arguments_error(backend: Backend, request: Request) -> Exception | None:
+  """``to=``, unreduced inputs, a partially manual mesh."""
+  name, hint = f'implementation="{backend.name}"', _hint(request)
   if backend.gather_to is not None and request.to not in backend.gather_to:
     return ValueError(f"{name} does not gather to={request.to!r}; {hint}")
   if request.unreduced and not backend.unreduced_inputs:
@@ -519,22 +567,18 @@ def unsupported(implementation: str, request: CollectiveRequest) -> Exception | 
   return None
 
 
-def resolve_collective(implementation: str, request: CollectiveRequest) -> str:
-  """The concrete implementation for a collective call: "auto" falls back to "xla" for
-  whatever its choice does not support; an explicit torus choice raises instead."""
-  check_name(implementation)
-  if implementation != "auto" and BACKENDS[implementation].lax_reference:
-    return implementation
-  if implementation == "auto":
-    if any(_keep_on_xla(d) for d in request.dtypes):
-      return "xla"
-    dtype = request.dtypes[0] if request.dtypes else jnp.float32
-    choice = auto_implementation(request.op, dtype, nbytes=request.nbytes, torus=request.torus)
-    return "xla" if choice == "xla" or unsupported(choice, request) else choice
-  error = unsupported(implementation, request)
-  if error is not None:
-    raise error
-  return implementation
+def unsupported(implementation: str, request: Request) -> Exception | None:
+  """Why ``implementation`` cannot run ``request`` (the error to raise), or None: read off
+  its record, in this order: the op, unbound axes, the dtypes, the axes, the replica
+  groups, then ``to=``, unreduced inputs and partially manual meshes."""
+  backend = BACKENDS[implementation]
+  if backend.lax_reference:
+    return None
+  for check in (_inputs_error, _axes_error, _groups_error, _arguments_error):
+    error = check(backend, request)
+    if error is not None:
+      return error
+  return None
 
 
 def collective_backend(name: str, config: KernelConfig | None = None) -> CollectiveBackend:

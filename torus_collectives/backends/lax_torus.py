@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from torus_collectives import schedule as schedule_lib
+from torus_collectives.axes import drop_unit_axes
 from torus_collectives.layout import ceil_div
 
 AxisNames = tuple[str, ...]
@@ -59,10 +60,9 @@ def _run_chain(grid: jax.Array, chain: Chain, axes: AxisNames, gathering: bool) 
 
 def _execute(collective: str, grid: jax.Array, axes: AxisNames, torus: tuple[int, ...]):
   """Splits the chunk width over the chains, runs them, and joins their results."""
-  kept = [(a, n) for a, n in zip(axes, torus) if n > 1]
-  if not kept:
+  torus, axes = drop_unit_axes(torus, axes)
+  if not torus:
     return grid
-  axes, torus = tuple(a for a, _ in kept), tuple(n for _, n in kept)
   if collective != "all_gather":
     grid = grid.reshape(torus + grid.shape[-1:])
   todo = chains(collective, torus)
@@ -72,7 +72,7 @@ def _execute(collective: str, grid: jax.Array, axes: AxisNames, torus: tuple[int
 
 
 def _num_chains(torus: tuple[int, ...]) -> int:
-  kept = tuple(n for n in torus if n > 1)
+  (kept,) = drop_unit_axes(torus)
   return len(chains("all_reduce", kept)) if kept else 1
 
 

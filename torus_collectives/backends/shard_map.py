@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from torus_collectives import schedule as schedule_lib
+from torus_collectives.axes import drop_unit_axes
 from torus_collectives.layout import accumulation_dtype, ceil_div, pad_chunks, pad_to
 
 AxisNames = tuple[str, ...]
@@ -83,13 +84,6 @@ def _rotate(grid: jax.Array, positions, sign: int) -> jax.Array:
   return grid
 
 
-def _drop_trivial_axes(axes: AxisNames, torus: tuple[int, ...], sizes=None):
-  """A collective over rings of one device is the identity: leave such axes out."""
-  sizes = torus if sizes is None else sizes
-  kept = [(a, n, s) for a, n, s in zip(axes, torus, sizes) if n > 1]
-  return tuple(k[0] for k in kept), tuple(k[1] for k in kept), tuple(k[2] for k in kept)
-
-
 def _execute(
   collective: str, x: jax.Array, axes: AxisNames, torus: tuple[int, ...], sizes, wire_dtype
 ) -> jax.Array:
@@ -103,7 +97,7 @@ def _execute(
   number on every device, which keeps dynamic indexing (and the copies it costs) to one
   roll per axis on the way in and one on the way out.
   """
-  axes, torus, sizes = _drop_trivial_axes(axes, torus, sizes)
+  torus, axes, sizes = drop_unit_axes(torus, axes, sizes)  # rings of one: the identity
   if collective != "all_gather":
     x = x.reshape(torus + x.shape[-1:])
   if not axes:
@@ -119,7 +113,7 @@ def _execute(
 
 
 def _padded_width(m: int, torus: tuple[int, ...]) -> int:
-  _, kept, _ = _drop_trivial_axes(torus, torus)
+  (kept,) = drop_unit_axes(torus)
   streams = _schedule("all_reduce", kept).num_streams if kept else 1
   return ceil_div(m, streams) * streams
 

@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from torus_collectives import groups, registry
+from torus_collectives import axes, collectives, groups, registry
+from torus_collectives.norm import passes
 from torus_collectives.norm.block_sizes import BlockSizes
 from torus_collectives.registry import Implementation
 
@@ -62,22 +63,24 @@ def _pass(cfg: _Config, name: str, *args, **kwargs):
 
 
 def _group_sum(x, cfg: _Config):
-  return groups.group_sum(x, cfg.axis_names, cfg.tile) if cfg.axis_names else x
+  return collectives.group_sum(x, cfg.axis_names, cfg.tile) if cfg.axis_names else x
 
 
 def _forward(x, scale, bias, cfg: _Config):
   fused = _pass(cfg, "local_forward", x, scale, bias, epsilon=cfg.epsilon, relu=cfg.relu)
   if fused is not None:
-    y, (mean, var) = fused[0], fused[1]
+    y, stats = fused
+    mean, var = stats[passes.LOCAL_MEAN], stats[passes.LOCAL_VAR]
   else:
     rows = x.size // x.shape[-1]
     group = math.prod(cfg.tile)
     local = _pass(cfg, "stats", x)
-    local_mean, local_m2 = local[0], local[1]
+    local_mean, local_m2 = local[passes.STATS_MEAN], local[passes.STATS_M2]
     mean = _group_sum(local_mean, cfg) / group
     m2 = _group_sum(local_m2 + rows * (local_mean - mean) ** 2, cfg)
     var = m2 / (rows * group)
   rstd = lax.rsqrt(var + cfg.epsilon)
+  # Rows COEF_MEAN, COEF_MUL, COEF_BIAS.
   coef = jnp.stack([mean, scale.astype(jnp.float32) * rstd, bias.astype(jnp.float32)])
   if fused is None:
     y = _pass(cfg, "normalize", x, coef, relu=cfg.relu)
@@ -105,22 +108,22 @@ def _backward(cfg: _Config, residuals, cotangents):
   x, coef, rstd, scale, bias = residuals
   dy = cotangents[0]  # mean and var leave under stop_gradient: no cotangent to carry.
   count = x.size // x.shape[-1] * math.prod(cfg.tile)
-  mul = coef[1]
+  mul = coef[passes.COEF_MUL]
   # dx = mul * g + k_xc * (x - mean) + k_0, with k_xc = a * sum(g * (x - mean)) and
   # k_0 = b * sum(g) over the group.
   a, b = -mul * rstd * rstd / count, -mul / count
-  fused = _pass(
-    cfg, "local_backward", x, dy, jnp.concatenate([coef, jnp.stack([a, b])]), relu=cfg.relu
-  )
+  factors = jnp.stack([a, b])  # rows COEF_A, COEF_B after coef's
+  fused = _pass(cfg, "local_backward", x, dy, jnp.concatenate([coef, factors]), relu=cfg.relu)
   if fused is not None:
     dx, local = fused
   else:
     local = _pass(cfg, "backward_sums", x, dy, coef, relu=cfg.relu)
     total = _group_sum(local, cfg)
-    k = jnp.stack([a * total[1], b * total[0]])
+    # Rows COEF_K_XC, COEF_K_0 after coef's.
+    k = jnp.stack([a * total[passes.SUM_G_XC], b * total[passes.SUM_G]])
     dx = _pass(cfg, "backward_dx", x, dy, jnp.concatenate([coef, k]), relu=cfg.relu)
-  dscale = local[1] * rstd
-  dbias = local[0]
+  dscale = local[passes.SUM_G_XC] * rstd
+  dbias = local[passes.SUM_G]
   return (_to_primal_type(dx, x), _to_primal_type(dscale, scale), _to_primal_type(dbias, bias))
 
 
@@ -198,10 +201,10 @@ def batch_norm(
       raise ValueError(f"{group_size=} needs axis_name: the mesh axes the group spans")
     axis_names, tile = (), ()
   else:
-    axis_names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    axis_names = axes.names(axis_name)
     tile = groups.resolve_tile(group_size, _axis_sizes(axis_names))
-  nbytes = x.size * x.dtype.itemsize
-  impl = registry.resolve("batch_norm", implementation, x.dtype, nbytes=nbytes, torus=tile)
+  request = registry.Request("batch_norm", (x.dtype,), x.size * x.dtype.itemsize, tile)
+  impl = registry.resolve(implementation, request)
   cfg = _Config(axis_names, tile, float(epsilon), bool(relu), impl, block_sizes)
   y, mean, var = _batch_norm(x, scale, bias, cfg)
   return y, lax.stop_gradient(mean), lax.stop_gradient(var)

@@ -33,8 +33,8 @@ from flax import linen as nn
 from flax.linen import dtypes
 from jax import lax
 
-from torus_collectives import groups
-from torus_collectives.collectives import pmean, tile_of_groups
+from torus_collectives import axes, groups
+from torus_collectives.collectives import pmean
 from torus_collectives.norm.batch_norm import batch_norm
 from torus_collectives.registry import Implementation
 
@@ -79,8 +79,8 @@ class BatchNorm(nn.Module):
       return self.group_size
     if self.group_size is not None:
       raise ValueError("give group_size or axis_index_groups, not both")
-    names = (self.axis_name,) if isinstance(self.axis_name, str) else tuple(self.axis_name)
-    return tile_of_groups(self.axis_index_groups, tuple(lax.axis_size(a) for a in names), False)
+    sizes = tuple(lax.axis_size(a) for a in axes.names(self.axis_name))
+    return groups.tile_of_groups(self.axis_index_groups, sizes, ordered=False)
 
   def _flax_statistics(self, x, reduction_axes, mask, axis_name):
     """Mean and variance as flax computes them, averaged across replicas by tc.pmean."""

@@ -19,8 +19,10 @@ reduction of the per-channel results happens between them, outside these passes:
 4. ``backward_dx``: dx = mul * g + k_xc * (x - mean) + k_0, with the per-channel
    coefficients computed from the group-summed results of pass 3.
 
-Per-channel vectors reach the passes stacked as one float32 ``coef[k, C]`` array: rows
-(mean, mul, bias) for passes 2 and 3, plus (k_xc, k_0) for pass 4.
+Per-channel vectors travel between the passes stacked as small float32 ``[k, C]`` arrays,
+one row per quantity; the rows are named by the constants below, each with one meaning:
+``coef`` holds (mean, mul, bias) for passes 2 and 3, plus (k_xc, k_0) for pass 4; pass 1
+returns (mean, M2) and pass 3 (sum g, sum g * (x - mean)).
 """
 
 from __future__ import annotations
@@ -30,6 +32,27 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax.numpy as jnp
+
+# ``stats``' result, [STATS_ROWS, C]: the local mean and M2.
+STATS_MEAN, STATS_M2 = 0, 1
+STATS_ROWS = 2
+# ``backward_sums``' result (and ``local_backward``'s second), [SUMS_ROWS, C]: sum(g) and
+# sum(g * (x - mean)).
+SUM_G, SUM_G_XC = 0, 1
+SUMS_ROWS = 2
+# ``coef``: (mean, mul, bias), the FORWARD_COEF_ROWS of ``normalize`` and ``backward_sums``;
+# ``backward_dx`` takes BACKWARD_COEF_ROWS, the per-channel coefficients of
+# dx = mul * g + k_xc * (x - mean) + k_0 after them.
+COEF_MEAN, COEF_MUL, COEF_BIAS, COEF_K_XC, COEF_K_0 = range(5)
+FORWARD_COEF_ROWS, BACKWARD_COEF_ROWS = 3, 5
+# ``local_backward``'s coef (BACKWARD_COEF_ROWS too): the forward rows, then the factors
+# of the sums it computes itself, k_xc = a * sum(g * (x - mean)) and k_0 = b * sum(g).
+COEF_A, COEF_B = 3, 4
+# ``local_forward``'s statistics, [STATS_ROWS, C]: the mean and the biased variance.
+LOCAL_MEAN, LOCAL_VAR = 0, 1
+# The affine parameters the fused ``local_forward`` kernel takes, [AFFINE_ROWS, C].
+AFFINE_SCALE, AFFINE_BIAS = 0, 1
+AFFINE_ROWS = 2
 
 
 class Passes(NamedTuple):
@@ -61,31 +84,31 @@ def stats_reference(x):
   shift = x[(0,) * len(axes)].astype(jnp.float32)
   d = x.astype(jnp.float32) - shift
   s1, s2 = jnp.sum(d, axis=axes), jnp.sum(d * d, axis=axes)
-  return jnp.stack([shift + s1 / rows, s2 - s1 * s1 / rows])
+  return jnp.stack([shift + s1 / rows, s2 - s1 * s1 / rows])  # STATS_MEAN, STATS_M2
 
 
 def _centred_cotangent_reference(x, dy, coef, relu: bool):
-  xc = x.astype(jnp.float32) - coef[0]
+  xc = x.astype(jnp.float32) - coef[COEF_MEAN]
   g = dy.astype(jnp.float32)
   if relu:
-    g = jnp.where(xc * coef[1] + coef[2] > 0, g, 0.0)
+    g = jnp.where(xc * coef[COEF_MUL] + coef[COEF_BIAS] > 0, g, 0.0)
   return xc, g
 
 
 def normalize_reference(x, coef, *, relu: bool):
-  y = (x.astype(jnp.float32) - coef[0]) * coef[1] + coef[2]
+  y = (x.astype(jnp.float32) - coef[COEF_MEAN]) * coef[COEF_MUL] + coef[COEF_BIAS]
   return (jnp.maximum(y, 0.0) if relu else y).astype(x.dtype)
 
 
 def backward_sums_reference(x, dy, coef, *, relu: bool):
   xc, g = _centred_cotangent_reference(x, dy, coef, relu)
   axes = _leading_axes(x)
-  return jnp.stack([jnp.sum(g, axis=axes), jnp.sum(g * xc, axis=axes)])
+  return jnp.stack([jnp.sum(g, axis=axes), jnp.sum(g * xc, axis=axes)])  # SUM_G, SUM_G_XC
 
 
 def backward_dx_reference(x, dy, coef, *, relu: bool):
   xc, g = _centred_cotangent_reference(x, dy, coef, relu)
-  return (g * coef[1] + xc * coef[3] + coef[4]).astype(x.dtype)
+  return (g * coef[COEF_MUL] + xc * coef[COEF_K_XC] + coef[COEF_K_0]).astype(x.dtype)
 
 
 REFERENCE = Passes(

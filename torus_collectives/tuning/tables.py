@@ -76,6 +76,8 @@ import numpy as np
 
 from torus_collectives import cost_model
 from torus_collectives import schedule as schedule_lib
+from torus_collectives.axes import drop_unit_axes
+from torus_collectives.sizes import size_label
 
 FORMAT = 2
 # The rule (see the module docstring): a torus implementation replaces XLA only if, in each
@@ -232,7 +234,7 @@ _DEFAULT_3D_GENERATION = "v5p"
 def latency_floor_bytes(torus: tuple[int, ...], device_kind: str) -> int:
   """Bytes below which the modelled torus all-reduce spends more time in per-hop latency
   than in moving data: "auto" is XLA there without a measurement."""
-  kept = tuple(n for n in torus if n > 1)
+  (kept,) = drop_unit_axes(torus)
   if not kept:
     return 0
   name = next((g for k, g in _GENERATIONS if device_kind.startswith(k)), _DEFAULT_GENERATION)
@@ -405,14 +407,6 @@ def _cell(entry: Entry, name: str) -> str:
     return f"{entry.ratios[name]:.2f}" if name in entry.ratios else "-"
   parts = [f"{r.median[name]:.2f} [{r.ci_high[name]:.3f}]" for r in entry.runs if name in r.median]
   return ", ".join(parts) or "-"
-
-
-def size_label(nbytes: int) -> str:
-  """``nbytes`` in binary units, e.g. ``"1 MiB"``."""
-  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if nbytes >= scale:
-      return f"{nbytes / scale:.3g} {unit}"
-  return f"{nbytes} B"
 
 
 # ----------------------------------------------------------------------------------------

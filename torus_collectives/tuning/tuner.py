@@ -57,10 +57,10 @@ from torus_collectives import groups, registry
 from torus_collectives.collectives import all_gather, all_reduce, reduce_scatter
 from torus_collectives.gradients import all_reduce_gradients
 from torus_collectives.norm.batch_norm import batch_norm
+from torus_collectives.sizes import MiB, parse_size, size_label
 from torus_collectives.topology import make_torus_mesh, most_square_shape
 from torus_collectives.tuning import tables, timing
 
-MiB = 2**20
 DEFAULT_SIZES = (MiB, 4 * MiB, 16 * MiB)
 DEFAULT_DTYPES = ("float32", "bfloat16")
 DEFAULT_ROUNDS = 25
@@ -107,9 +107,7 @@ def collective_case(mesh: Mesh, op: str, dtype, nbytes: int) -> Case:
     return lambda: fn(x)
 
   torus = tuple(mesh.shape[a] for a in axes)
-  return Case(
-    op, dtype.name, nbytes, torus, f"{op} {dtype.name} {tables.size_label(nbytes)}", build
-  )
+  return Case(op, dtype.name, nbytes, torus, f"{op} {dtype.name} {size_label(nbytes)}", build)
 
 
 def gradients_case(mesh: Mesh, tree: Any, label: str = "gradients") -> Case:
@@ -136,7 +134,7 @@ def gradients_case(mesh: Mesh, tree: Any, label: str = "gradients") -> Case:
 
   torus = tuple(mesh.shape[a] for a in axes)
   name = jnp.dtype(dtype).name
-  text = f"all_reduce_gradients {label}: {len(leaves)} leaves, {tables.size_label(nbytes)}"
+  text = f"all_reduce_gradients {label}: {len(leaves)} leaves, {size_label(nbytes)}"
   return Case("all_reduce_gradients", name, nbytes, torus, text, build)
 
 
@@ -190,7 +188,7 @@ def _skip_reason(case: Case, names: Sequence[str], device_kind: str) -> str | No
   if case.op != "batch_norm":
     floor = tables.latency_floor_bytes(case.torus, device_kind)
     if case.nbytes < floor:
-      return f"below the latency floor ({tables.size_label(floor)}): xla by rule"
+      return f"below the latency floor ({size_label(floor)}): xla by rule"
   return None
 
 
@@ -401,7 +399,7 @@ class Verdict:
 
   def line(self) -> str:
     e = self.entry
-    head = f"{e.topology} {e.op} {e.dtype} {tables.size_label(2**e.bucket)}: {e.choice}"
+    head = f"{e.topology} {e.op} {e.dtype} {size_label(2**e.bucket)}: {e.choice}"
     if self.holds is None:
       return f"{head}: not re-measured ({self.note})"
     figures = "; ".join(
@@ -451,20 +449,12 @@ def without_failures(table: tables.Table, verdicts: Sequence[Verdict]) -> tables
 # Command line.
 
 
-def _parse_size(text: str) -> int:
-  units = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "B": 1}
-  for unit, scale in units.items():
-    if text.endswith(unit):
-      return int(float(text[: -len(unit)]) * scale)
-  return int(text)
-
-
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--mesh", help="torus shape, e.g. 2x4 (default: most square)")
   parser.add_argument(
     "--sizes",
-    default=",".join(tables.size_label(s).replace(" ", "") for s in DEFAULT_SIZES),
+    default=",".join(size_label(s, sep="") for s in DEFAULT_SIZES),
     help="full buffer sizes per device, e.g. 1MiB,16MiB",
   )
   parser.add_argument("--dtypes", default=",".join(DEFAULT_DTYPES))
@@ -584,11 +574,11 @@ def main(argv: Sequence[str] | None = None) -> tables.Table:
     dtypes = split(args.dtypes)
     table = tune(
       mesh,
-      sizes=[_parse_size(s) for s in split(args.sizes)],
+      sizes=[parse_size(s) for s in split(args.sizes)],
       dtypes=dtypes,
       ops=split(args.ops),
       gradient_trees=[
-        synthetic_gradients(_parse_size(s), d) for s in split(args.gradient_sizes) for d in dtypes
+        synthetic_gradients(parse_size(s), d) for s in split(args.gradient_sizes) for d in dtypes
       ],
       batch_norm_shapes=[tuple(map(int, s.split("x"))) for s in split(args.batch_norm_shapes)],
       rounds=args.rounds,

@@ -55,6 +55,7 @@ from jax import lax
 
 from torus_collectives import _jax_internals as jax_internals
 from torus_collectives._vma import ensure_varying, vma_checked
+from torus_collectives.axes import names as axis_names
 from torus_collectives.layout import ceil_div, pad_to
 
 # Primitives that act elementwise: the value at a position depends only on the operands at
@@ -84,6 +85,9 @@ REDUCTIONS: dict[str, tuple[str, Callable, Callable]] = {
   "reduce_and": ("and", jnp.all, lambda dtype: jnp.ones((), dtype)),
   "reduce_or": ("or", jnp.any, lambda dtype: jnp.zeros((), dtype)),
 }
+# Shape changes that keep the flat order of a leaf (when they keep its size, and a
+# transpose its non-unit axes' order).
+RELABELLING = frozenset({"reshape", "squeeze", "broadcast_in_dim", "transpose", "expand_dims"})
 COLLECTIVES = frozenset(
   "psum pmax pmin ppermute all_gather all_to_all psum_scatter reduce_scatter axis_index pbroadcast"
   " psum_invariant".split()
@@ -301,9 +305,8 @@ class Interpreter:
     )
 
   def _apply(self, eqn, operands: list[Value]) -> list[Value]:
-    name = eqn.primitive.name
     out_shapes = [tuple(v.aval.shape) for v in eqn.outvars]
-    if name in COLLECTIVES and set(_axes_of(eqn)) & set(self.shards.axes):
+    if eqn.primitive.name in COLLECTIVES and set(_axes_of(eqn)) & set(self.shards.axes):
       self._refuse(
         eqn,
         operands,
@@ -312,19 +315,19 @@ class Interpreter:
       )
     if not any(isinstance(v, Sharded) for v in operands):
       return self._replicated(eqn, operands, out_shapes)
-    origin = next(v.origin for v in operands if isinstance(v, Sharded))
+    return self._sharded(eqn, operands, out_shapes)
+
+  def _sharded(self, eqn, operands: list[Value], out_shapes) -> list[Value]:
+    """An equation with a sharded operand, by the rules of the module docstring."""
+    name = eqn.primitive.name
     if name in PASS_THROUGH:
       (value,) = operands
       return [dataclasses.replace(value, shape=out_shapes[0])]
     if name in ELEMENTWISE:
+      origin = next(v.origin for v in operands if isinstance(v, Sharded))
       return [self._elementwise(eqn, operands, out_shapes[0], origin)]
-    if name in ("reshape", "squeeze", "broadcast_in_dim", "transpose", "expand_dims"):
-      (value,) = operands[:1]
-      if math.prod(out_shapes[0]) != math.prod(value.shape):
-        self._refuse(eqn, operands, "broadcasts a leaf to a larger shape")
-      if name == "transpose" and not _keeps_order(value.shape, eqn.params["permutation"]):
-        self._refuse(eqn, operands, "reorders a leaf's axes")
-      return [Sharded(value.local, out_shapes[0], value.origin)]
+    if name in RELABELLING:
+      return [self._relabel(eqn, operands, out_shapes[0])]
     if name in REDUCTIONS:
       (value,) = operands
       if _reduces_partially(value.shape, eqn.params["axes"]):
@@ -335,6 +338,16 @@ class Interpreter:
     if name == "cond":
       return self._cond(eqn, operands)
     self._refuse(eqn, operands, "depends on the whole leaf's layout, not on single elements")
+
+  def _relabel(self, eqn, operands, out_shape) -> Sharded:
+    """A shape change that keeps the flat order: the same slice, a new logical shape."""
+    value = operands[0]
+    if math.prod(out_shape) != math.prod(value.shape):
+      self._refuse(eqn, operands, "broadcasts a leaf to a larger shape")
+    transpose = eqn.primitive.name == "transpose"
+    if transpose and not _keeps_order(value.shape, eqn.params["permutation"]):
+      self._refuse(eqn, operands, "reorders a leaf's axes")
+    return Sharded(value.local, out_shape, value.origin)
 
   def _replicated(self, eqn, operands, out_shapes) -> list[Value]:
     name = eqn.primitive.name
@@ -424,8 +437,7 @@ def _bind(primitive, operands, params):
 
 
 def _axes_of(eqn) -> tuple:
-  axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
-  return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+  return axis_names(eqn.params.get("axes", eqn.params.get("axis_name", ())))
 
 
 def _keeps_order(shape, permutation) -> bool:

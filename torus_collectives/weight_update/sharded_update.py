@@ -20,13 +20,14 @@ parameters: ``apply_gradients`` is the step above and returns the new parameters
 all-gathering the update instead (same bytes) for ``optax.apply_updates``, whose add then
 runs on every replica over all the weights (one FLOP per weight, all of them).
 
-Layout. Every leaf is flattened, zero-padded to a multiple of p and viewed as ``[p, m]``
-(``m = ceil(size / p)``); row d is device d's shard. Leaves are grouped into flat buckets
-as ``all_reduce_gradients`` groups them (same packing, one dtype per bucket), and a bucket
-is the ``[p, sum m]`` concatenation of its leaves' rows, so one tiled reduce-scatter hands
-device d row d: a static-shaped shard of *every* leaf. The tree keeps the parameters'
-structure, so masks (callables on the tree or trees of booleans, e.g. LARS's kernel-only
-weight decay and trust ratio) select exactly the leaves they select unsharded.
+Layout (``packing``'s). Every leaf is flattened, zero-padded to a multiple of p and viewed
+as ``[p, m]`` (``m = ceil(size / p)``); row d is device d's shard. Leaves are grouped into
+flat buckets as ``all_reduce_gradients`` groups them (``packing.buckets_by_size``, one
+dtype per bucket), and a bucket is the ``[p, sum m]`` concatenation of its leaves' rows,
+so one tiled reduce-scatter hands device d row d: a static-shaped shard of *every* leaf.
+The tree keeps the parameters' structure, so masks (callables on the tree or trees of
+booleans, e.g. LARS's kernel-only weight decay and trust ratio) select exactly the leaves
+they select unsharded.
 
 Which transformations are exact. The inner transformation is traced on the leaves' full
 shapes and its jaxpr is run on the shards by ``weight_update.interpreter``: elementwise arithmetic
@@ -74,7 +75,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -83,11 +83,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from torus_collectives import axes, packing
 from torus_collectives._optional import require
 from torus_collectives._vma import mark_invariant
 from torus_collectives.collectives import AxisName, all_gather, reduce_scatter
-from torus_collectives.gradients import DEFAULT_BUCKET_BYTES, _buckets
-from torus_collectives.layout import ceil_div, pad_to
+from torus_collectives.gradients import DEFAULT_BUCKET_BYTES
+from torus_collectives.layout import ceil_div
 from torus_collectives.registry import Implementation
 from torus_collectives.weight_update.interpreter import Interpreter, Sharded, Shards, replicated
 
@@ -96,7 +97,8 @@ optax = require("optax", "weight_update")
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-  """Where each leaf lives: its shape, its shard length m, and the buckets (leaf indices)."""
+  """Where each leaf lives (``packing``'s layout): its shape, its shard length m, and the
+  buckets (leaf indices)."""
 
   shapes: tuple[tuple[int, ...], ...]
   shard_sizes: tuple[int, ...]
@@ -107,18 +109,8 @@ class _Layout:
     return cls(
       shapes=tuple(leaf.shape for leaf in leaves),
       shard_sizes=tuple(ceil_div(leaf.size, p) for leaf in leaves),
-      buckets=tuple(tuple(b) for b in _buckets(leaves, bucket_bytes)),
+      buckets=tuple(tuple(b) for b in packing.buckets_by_size(leaves, bucket_bytes)),
     )
-
-  def rows(self, leaf: jax.Array, i: int, p: int) -> jax.Array:
-    """``leaf`` flattened, zero-padded and viewed as ``[p, m]``: row d is shard d."""
-    m = self.shard_sizes[i]
-    return pad_to(leaf.reshape(-1), p * m).reshape(p, m)
-
-  def split(self, flat: jax.Array, bucket: tuple[int, ...]) -> list[jax.Array]:
-    """A bucket's ``[..., sum m]`` columns cut back into its leaves' ``[..., m]`` pieces."""
-    ends = list(itertools.accumulate(self.shard_sizes[i] for i in bucket))
-    return [flat[..., end - self.shard_sizes[i] : end] for i, end in zip(bucket, ends)]
 
 
 def _check_floating(tree: Any, name: str) -> None:
@@ -189,43 +181,55 @@ def sharded_update(
   """
   if bucket_bytes <= 0:
     raise ValueError(f"{bucket_bytes=} must be positive")
+  sharding = _Sharding(tx, axis_name, bucket_bytes, implementation)
+  return ShardedUpdate(sharding.init, sharding.update, sharding.apply_gradients)
 
-  def setup(params) -> _Step:
-    axes, torus = _bound_torus(axis_name)
+
+@dataclasses.dataclass(frozen=True)
+class _Sharding:
+  """``sharded_update``'s arguments, and the steps of its transformation."""
+
+  tx: Any
+  axis_name: AxisName
+  bucket_bytes: int
+  implementation: str
+
+  def setup(self, params) -> _Step:
+    names, torus = _bound_torus(self.axis_name)
     _check_floating(params, "parameters")
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     leaves = [leaf for _, leaf in with_paths]
     p = math.prod(torus)
-    layout = _Layout.of(leaves, p, bucket_bytes)
-    index = lax.axis_index(axes)  # row-major: the chunk a tiled reduce-scatter leaves here
+    layout = _Layout.of(leaves, p, self.bucket_bytes)
+    index = lax.axis_index(names)  # row-major: the chunk a tiled reduce-scatter leaves here
     shards = tuple(
-      lax.dynamic_index_in_dim(layout.rows(leaf, i, p), index, keepdims=False)
-      for i, leaf in enumerate(leaves)
+      lax.dynamic_index_in_dim(packing.as_rows(leaf, p), index, keepdims=False) for leaf in leaves
     )
     paths = tuple(jax.tree_util.keystr(path) for path, _ in with_paths)
-    return _Step(axes, p, layout, treedef, paths, shards)
+    return _Step(names, p, layout, treedef, paths, shards)
 
-  def init_fn(params):
-    step = setup(params)
-    state = tx.init(params)  # whole, on every replica; the sharded leaves are cut below
+  def init(self, params):
+    step = self.setup(params)
+    state = self.tx.init(params)  # whole, on every replica; the sharded leaves are cut below
     leaves, state_def = jax.tree.flatten(state)
-    sharded = _sharded_state(tx, step, params, state)
+    sharded = _sharded_state(self.tx, step, params, state)
     stored = [
       step.shards.cut(leaf, leaf.shape).local if is_sharded else leaf
       for leaf, is_sharded in zip(leaves, sharded)
     ]
     return jax.tree.unflatten(state_def, [x[None] for x in stored])
 
-  def sharded_step(grads, state, params):
-    """Reduce-scatter and the inner update on this device's shards."""
+  def sharded_step(self, grads, state, params):
+    """Reduce-scatter and the inner update on this device's shards: (step, the update's
+    shards, the new state)."""
     if params is None:
       raise ValueError("sharded_update needs params: call update(grads, state, params)")
-    step = setup(params)
+    step = self.setup(params)
     _check_floating(grads, "gradients")
     grad_leaves = step.treedef.flatten_up_to(grads)
-    grad_shards = _mean_shards(step, grad_leaves, implementation)
-    whole_state = jax.eval_shape(tx.init, params)
-    sharded = _sharded_state(tx, step, params, whole_state)
+    grad_shards = _mean_shards(step, grad_leaves, self.implementation)
+    whole_state = jax.eval_shape(self.tx.init, params)
+    sharded = _sharded_state(self.tx, step, params, whole_state)
     state_leaves, state_def = jax.tree.flatten(state)
     state_shapes = [leaf.shape for leaf in jax.tree.leaves(whole_state)]
     state_in = [
@@ -233,46 +237,51 @@ def sharded_update(
       for x, shape, is_sharded in zip(state_leaves, state_shapes, sharded)
     ]
     updates, new_state = _run_update(
-      tx, step, step.sharded(list(grad_shards)), state_in, state_def, params, grads
+      self.tx, step, step.sharded(list(grad_shards)), state_in, state_def, params, grads
     )
     update_shards = [step.shards.cut(u, s).local for u, s in zip(updates, step.layout.shapes)]
-    stored = []
-    for value, shape, is_sharded in zip(new_state, state_shapes, sharded):
-      if is_sharded:
-        stored.append(step.shards.cut(value, shape).local)
-      elif isinstance(value, Sharded):
-        raise AssertionError("a state leaf became sharded after the layout was fixed")
-      else:
-        stored.append(replicated(value))
-    gather = functools.partial(
-      _all_gather_leaves, step.axes, step.p, step.layout, step.treedef, implementation
-    )
-    new_state = jax.tree.unflatten(state_def, [x[None] for x in stored])
-    return gather, step, update_shards, new_state
+    stored = [
+      _stored(step, value, shape, is_sharded)
+      for value, shape, is_sharded in zip(new_state, state_shapes, sharded)
+    ]
+    return step, update_shards, jax.tree.unflatten(state_def, [x[None] for x in stored])
 
-  def update_fn(grads, state, params=None):
-    gather, step, update_shards, state = sharded_step(grads, state, params)
-    return gather(step.treedef.unflatten(update_shards)), state
+  def gather(self, step: _Step, shards: list[jax.Array]):
+    return _all_gather_leaves(step, self.implementation, step.treedef.unflatten(shards))
 
-  def apply_gradients(grads, state, params):
-    gather, step, update_shards, state = sharded_step(grads, state, params)
+  def update(self, grads, state, params=None):
+    step, update_shards, state = self.sharded_step(grads, state, params)
+    return self.gather(step, update_shards), state
+
+  def apply_gradients(self, grads, state, params):
+    step, update_shards, state = self.sharded_step(grads, state, params)
     new_shards = optax.apply_updates(list(step.param_shards), update_shards)
-    return gather(step.treedef.unflatten(new_shards)), state
+    return self.gather(step, new_shards), state
 
-  return ShardedUpdate(init_fn, update_fn, apply_gradients)
+
+def _stored(step: _Step, value, shape, is_sharded: bool) -> jax.Array:
+  """A new state leaf as the state stores it: this device's shard, or the whole value."""
+  if is_sharded:
+    return step.shards.cut(value, shape).local
+  if isinstance(value, Sharded):
+    raise AssertionError("a state leaf became sharded after the layout was fixed")
+  return replicated(value)
 
 
 def _mean_shards(step: _Step, grad_leaves, implementation) -> list[jax.Array]:
   """This device's shard of the mean of every gradient leaf, one reduce-scatter a bucket."""
-  out: list[jax.Array | None] = [None] * len(grad_leaves)
   layout, p = step.layout, step.p
-  for bucket in layout.buckets:
-    rows = jnp.concatenate([layout.rows(grad_leaves[i], i, p) for i in bucket], axis=1)
-    summed = reduce_scatter(rows.reshape(-1), step.axes, tiled=True, implementation=implementation)
-    for i, piece in zip(bucket, layout.split(summed, bucket)):
-      # The mean, rounded as all_reduce_gradients rounds it.
-      out[i] = (piece.astype(jnp.float32) * (1.0 / p)).astype(grad_leaves[i].dtype)
-  return out
+  summed = packing.through_buckets(
+    lambda flat: reduce_scatter(flat, step.axes, tiled=True, implementation=implementation),
+    [packing.as_rows(leaf, p) for leaf in grad_leaves],
+    layout.buckets,
+    layout.shard_sizes,
+  )
+  # The mean, rounded as all_reduce_gradients rounds it.
+  return [
+    (piece.astype(jnp.float32) * (1.0 / p)).astype(leaf.dtype)
+    for piece, leaf in zip(summed, grad_leaves)
+  ]
 
 
 def _run_update(tx, step: _Step, grads, state_in, state_def, params, grad_like):
@@ -319,9 +328,9 @@ def _sharded_state(tx, step: _Step, params, whole_state) -> list[bool]:
 
 def _bound_torus(axis_name: AxisName) -> tuple[tuple, tuple[int, ...]]:
   """The named axes and their sizes; a clear error where one is not bound."""
-  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  names = axes.names(axis_name)
   sizes = []
-  for axis in axes:
+  for axis in names:
     try:
       sizes.append(lax.axis_size(axis))
     except NameError as e:
@@ -329,20 +338,28 @@ def _bound_torus(axis_name: AxisName) -> tuple[tuple, tuple[int, ...]]:
         f"axis {axis!r} is not bound here: call sharded_update's init, update and "
         "apply_gradients inside jax.shard_map over a mesh with that axis"
       ) from e
-  return axes, tuple(sizes)
+  return names, tuple(sizes)
 
 
-def _all_gather_leaves(axes, p, layout: _Layout, treedef, implementation, shards):
+def _all_gather_leaves(step: _Step, implementation, shards):
   """Shards of every leaf -> whole leaves, one tiled all-gather per bucket."""
-  leaves = treedef.flatten_up_to(shards)
-  out: list[jax.Array | None] = [None] * len(leaves)
-  for bucket in layout.buckets:
+  leaves = step.treedef.flatten_up_to(shards)
+  pieces = list(leaves)
+  for bucket in step.layout.buckets:  # one dtype per buffer
     dtype = jnp.result_type(*(leaves[i] for i in bucket))
-    flat = jnp.concatenate([leaves[i].astype(dtype) for i in bucket])
-    gathered = all_gather(flat, axes, tiled=True, implementation=implementation)
+    for i in bucket:
+      pieces[i] = leaves[i].astype(dtype)
+
+  def gather(flat):
+    gathered = all_gather(flat, step.axes, tiled=True, implementation=implementation)
     # Identical on every device: type it replicated, as a psum's result would be.
-    columns = layout.split(mark_invariant(gathered, axes).reshape(p, -1), bucket)
-    for i, rows in zip(bucket, columns):
-      n = math.prod(layout.shapes[i])
-      out[i] = rows.reshape(-1)[:n].reshape(layout.shapes[i]).astype(leaves[i].dtype)
-  return jax.tree.unflatten(treedef, out)
+    return mark_invariant(gathered, step.axes)
+
+  rows = packing.through_buckets(
+    gather, pieces, step.layout.buckets, step.layout.shard_sizes, rows=step.p
+  )
+  out = [
+    packing.from_rows(r, shape).astype(leaf.dtype)
+    for r, shape, leaf in zip(rows, step.layout.shapes, leaves)
+  ]
+  return jax.tree.unflatten(step.treedef, out)
