@@ -24,11 +24,11 @@ os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
-from settings import FULL  # noqa: E402
+import jax
+import pytest
+from settings import FULL
 
-from torus_collectives.tuning import timing  # noqa: E402
+from torus_collectives.tuning import timing
 
 NUM_DEVICES = 8
 # Per benchmark: the timed rounds aim at this much wall time, within the round limits.

@@ -23,10 +23,10 @@ import textwrap
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from bench import cost_model_report  # noqa: E402
-from torus_collectives.sizes import size_label  # noqa: E402
+from bench import cost_model_report
+from torus_collectives.sizes import size_label
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 

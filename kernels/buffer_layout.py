@@ -78,7 +78,7 @@ class Layout:
   def lengths(self, offset: int, size: int) -> tuple[int, int]:
     """Elements of the segment ``[offset, offset + size)`` of a chunk that exist in a whole
     chunk and in the last chunk."""
-    clip = lambda extent: min(max(extent - offset, 0), size)  # noqa: E731
+    clip = lambda extent: min(max(extent - offset, 0), size)
     return clip(self.stride), clip(self.last_extent)
 
   def valid_elements(self, offset: int, size: int, chunks: int) -> int:

@@ -447,7 +447,7 @@ def _reduce_scatter_kernel(
           own = own_terms(tr, t)
           if final_store(tr, t):  # the own chunk, into the output of its own
             offset = tr.stream * L + piece_offset
-            dst = lambda length, chunk, j, o=offset: at(out_ref, o, length, align)  # noqa: E731
+            dst = lambda length, chunk, j, o=offset: at(out_ref, o, length, align)
           else:
             dst = in_grid(acc_ref, tr, piece_offset)
           _accumulate(
