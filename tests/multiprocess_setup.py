@@ -9,7 +9,7 @@ import os
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 
-import jax  # noqa: E402
+import jax
 
 
 def join(port: int, process_id: int, num_processes: int = 2) -> None:

@@ -18,9 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 pytest.importorskip("libtpu", reason=aot_skip.REASON)
 
-import torus_collectives as tc  # noqa: E402
-from bench import aot_report  # noqa: E402
-from torus_collectives.tuning import tables  # noqa: E402
+import torus_collectives as tc
+from bench import aot_report
+from torus_collectives.tuning import tables
 
 pytestmark = pytest.mark.aot
 

@@ -16,10 +16,10 @@ import pytest
 
 pytest.importorskip("libtpu", reason=aot_skip.REASON)
 
-from jax.experimental import topologies  # noqa: E402
+from jax.experimental import topologies
 
-import torus_collectives as tc  # noqa: E402
-from bench import aot_report  # noqa: E402
+import torus_collectives as tc
+from bench import aot_report
 
 pytestmark = pytest.mark.aot
 

@@ -47,7 +47,7 @@ def step(v, implementation: str):
 
   Small buffers run one-stream schedules; the "gradient" all-reduce is large enough for
   the split schedule's four streams (a tile per stream slice), which uses other links."""
-  ar = lambda u, axes: tc.all_reduce(u, axes, implementation=implementation)  # noqa: E731
+  ar = lambda u, axes: tc.all_reduce(u, axes, implementation=implementation)
   # Batch-norm group over y: per-channel sums of an (rows, CHANNELS) activation.
   stats = ar(v.reshape(-1, CHANNELS).sum(0), "y")
   ring_x = ar(v, "x")
