@@ -450,7 +450,9 @@ def without_failures(table: tables.Table, verdicts: Sequence[Verdict]) -> tables
 
 
 def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(
+    prog="python -m torus_collectives.tuning", description=__doc__.split("\n\n")[0]
+  )
   parser.add_argument("--mesh", help="torus shape, e.g. 2x4 (default: most square)")
   parser.add_argument(
     "--sizes",
