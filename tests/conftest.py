@@ -1,7 +1,13 @@
-"""Eight simulated CPU devices for every test.
+"""Eight simulated CPU devices for every test, and the fixtures the test modules share.
 
 XLA reads the device count once, when jax is first imported, so it is set here at module
 top, before any test module imports jax.
+
+The shared pieces themselves live in ``harness`` (importable from subprocess scripts too):
+meshes by shape, per-device inputs, and the one TPU interpret-mode context. Here they are
+fixtures: ``mesh``, ``small_integers``, ``random_floats`` and ``interpret`` (TPU interpret mode
+for the test's body, in both DMA execution modes unless a test parametrizes it
+indirectly).
 """
 
 import os
@@ -16,6 +22,8 @@ os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
+
+import harness
 import jax
 import pytest
 
@@ -27,6 +35,37 @@ def _eight_devices():
   assert jax.device_count() == NUM_DEVICES, (
     "tests need 8 simulated CPU devices; import jax only after tests/conftest.py"
   )
+
+
+@pytest.fixture
+def mesh():
+  """``harness.mesh``: ``mesh(shape, names=None)``, a mesh of the first devices."""
+  return harness.mesh
+
+
+@pytest.fixture
+def small_integers():
+  """``harness.small_integers``: ``(shape, dtype, seed)``, exact in every dtype."""
+  return harness.small_integers
+
+
+@pytest.fixture
+def random_floats():
+  """``harness.random_floats``: ``(shape, dtype, seed)``, standard normal."""
+  return harness.random_floats
+
+
+@pytest.fixture(params=harness.DMA_MODES)
+def interpret(request):
+  """The test's body runs in ``harness.interpret_mode`` (race detector on, no race allowed
+  at the end), in each DMA execution mode; yields the mode. Parametrize ``interpret``
+  indirectly to pick one. A fixture does not see whether its test failed, so the
+  interpreter's state is reset after every test."""
+  try:
+    with harness.interpret_mode(request.param):
+      yield request.param
+  finally:
+    harness.reset_interpret_mode_state()
 
 
 @pytest.fixture

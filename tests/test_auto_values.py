@@ -13,11 +13,12 @@ import os
 import subprocess
 import sys
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from collective_cases import mesh_of, sharded
+from harness import sharded
 from jax import lax
 
 import torus_collectives as tc
@@ -70,15 +71,15 @@ def _inputs(op: str, dtype, seed=0) -> np.ndarray:
 
 
 def _tc(op, x):
-  return sharded(_body(op, tc), mesh_of("2x4"))(x)
+  return sharded(_body(op, tc), harness.mesh((2, 4)))(x)
 
 
 def _lax(op, x):
-  return sharded(_body(op, lax), mesh_of("2x4"))(x)
+  return sharded(_body(op, lax), harness.mesh((2, 4)))(x)
 
 
 def _jaxpr(op, ops, x) -> str:
-  return str(jax.make_jaxpr(sharded(_body(op, ops), mesh_of("2x4")))(x))
+  return str(jax.make_jaxpr(sharded(_body(op, ops), harness.mesh((2, 4))))(x))
 
 
 def _bitwise(a, b) -> bool:
@@ -144,7 +145,7 @@ def test_the_bound():
 def test_bitwise_switch_keeps_floats_on_lax_and_retraces():
   _use("lax_torus")
   x = _inputs("psum", jnp.bfloat16)
-  f = sharded(_body("psum", tc), mesh_of("2x4"))
+  f = sharded(_body("psum", tc), harness.mesh((2, 4)))
   reference = _lax("psum", x)
   assert not _bitwise(f(x), reference)  # bf16 sums in another order: other roundings
   with tc.bitwise_as_lax():
@@ -163,7 +164,7 @@ def test_bitwise_switch_keeps_floats_on_lax_and_retraces():
 def test_bitwise_switch_covers_a_tree_of_floats_and_integers():
   _use("lax_torus")
   tree = (_inputs("psum", jnp.int32), _inputs("psum", jnp.float32))
-  mesh = mesh_of("2x4")
+  mesh = harness.mesh((2, 4))
 
   def jaxpr(ops):
     return str(jax.make_jaxpr(sharded(lambda t: ops.psum(t, AXES), mesh))(tree))
@@ -178,7 +179,7 @@ def test_bitwise_switch_for_gradients():
   entry = tables.Entry("2x4", "all_reduce_gradients", "float32", BUCKET, "lax_torus", {}, 10)
   tables.use_table(tables.Table("cpu", "hand-written", tables.now(), [entry]))
   x = _inputs("psum", jnp.float32)
-  mesh = mesh_of("2x4")
+  mesh = harness.mesh((2, 4))
 
   def jaxpr(fn):
     return str(jax.make_jaxpr(sharded(fn, mesh))(x))

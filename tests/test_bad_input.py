@@ -1,16 +1,17 @@
 """Every bad request fails before any device work, with a message that names the fix."""
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from collective_cases import mesh_of, per_device
+from harness import per_device
 
 import torus_collectives as tc
 
 
 def _run(fn, local_shape=(8, 3), dtype=jnp.float32):
-  mesh = mesh_of("2x4")
+  mesh = harness.mesh((2, 4))
   return per_device(fn, mesh, jnp.zeros((8,) + local_shape, dtype))
 
 

@@ -4,13 +4,12 @@ import math
 import re
 
 import aot_skip
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call
-from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from torus_collectives import layout, registry
@@ -19,22 +18,6 @@ from torus_collectives.norm import passes
 from torus_collectives.norm.batch_norm import batch_norm
 from torus_collectives.norm.block_sizes import BlockSizes
 from torus_collectives.tuning import tables
-
-INTERPRET = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
-
-
-@pytest.fixture(params=["eager", "on_wait"])
-def interpret_mode(request):
-  """TPU interpret mode in both DMA execution modes; the test must leave no data race."""
-  params = pltpu.InterpretParams(
-    dma_execution_mode=request.param, detect_races=True, uninitialized_memory="nan"
-  )
-  try:
-    with pltpu.force_tpu_interpret_mode(params):
-      yield
-    assert not interpret_pallas_call.races.races_found
-  finally:
-    pltpu.reset_tpu_interpret_mode_state()
 
 
 def _operands(shape, dtype, seed=0):
@@ -96,7 +79,7 @@ def _assert_within_sum_rounding(got, want, absolute_sum, rows):
 @pytest.mark.interpret
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape,block_sizes", SHAPES, ids=lambda v: str(v))
-def test_passes_match_reference_in_interpret_mode(interpret_mode, shape, block_sizes, dtype):
+def test_passes_match_reference_in_interpret_mode(interpret, shape, block_sizes, dtype):
   x, dy, coef = _operands(shape, dtype)
   stats, y, sums, dx = _all_passes(kbn.PALLAS, block_sizes)(x, dy, coef)
   want_stats, want_y, want_sums, want_dx = _all_passes(passes.REFERENCE)(x, dy, coef)
@@ -120,7 +103,7 @@ def test_passes_match_reference_in_interpret_mode(interpret_mode, shape, block_s
 
 
 @pytest.mark.interpret
-def test_passes_are_exact_on_small_integers_in_interpret_mode(interpret_mode):
+def test_passes_are_exact_on_small_integers_in_interpret_mode(interpret):
   """Integers in [-4, 4], dyadic coefficients and 128 rows: the mean, y, the sums and dx
   are exact in float32, so the kernels must equal the reference bit for bit (C = 96); M2
   comes from differently ordered sums of squares."""
@@ -140,9 +123,9 @@ def test_passes_are_exact_on_small_integers_in_interpret_mode(interpret_mode):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("global_shape", [(16, 4, 4, 64), (64, 3, 5, 128)])
-def test_pallas_op_matches_xla_op_across_a_group_in_interpret_mode(interpret_mode, global_shape):
+def test_pallas_op_matches_xla_op_across_a_group_in_interpret_mode(interpret, global_shape):
   """Per replica (2, 4, 4, 64): the row-major view; (8, 3, 5, 128): XLA's conv layout."""
-  mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+  mesh = harness.mesh((2, 4))
   channels = global_shape[-1]
   x = 10.0 + jax.random.normal(jax.random.key(3), global_shape)
   scale, bias = jnp.linspace(0.5, 1.5, channels), jnp.linspace(-1, 1, channels)
@@ -186,7 +169,7 @@ def test_pallas_op_matches_xla_op_across_a_group_in_interpret_mode(interpret_mod
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_local_op_keeps_x_on_chip_and_matches_xla_in_interpret_mode(
-  interpret_mode, shape, block_sizes, dtype
+  interpret, shape, block_sizes, dtype
 ):
   """Without a group the fused kernels run (x and dy resident in VMEM between their two
   phases; ragged row blocks in the first shape) and equal the "xla" op: y, mean, var and
@@ -281,7 +264,7 @@ def test_auto_is_xla_for_batch_norm_even_where_pallas_was_measured_faster(monkey
   """Timed alone the kernels win, but inside a network they lose XLA's fusion with the
   neighbouring convolutions, which a tuning measurement cannot see."""
   monkeypatch.setattr(tables, "lookup", lambda *args: "pallas")
-  with pltpu.force_tpu_interpret_mode(INTERPRET):
+  with harness.interpret_mode():
     choice = registry.auto_implementation(
       "batch_norm", jnp.bfloat16, nbytes=2 * math.prod(shape), torus=(1,)
     )
@@ -304,7 +287,7 @@ def tpu_train_step(topology_name, per_replica_batch, hwc, group_size=2):
 
   topo = topologies.get_topology_desc(platform="tpu", topology_name=topology_name)
   devices = np.array(topo.devices)
-  mesh = jax.sharding.Mesh(devices.reshape(2, -1), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+  mesh = harness.mesh((2, devices.size // 2), devices=topo.devices)
   spec = P(("x", "y"))
   channels = hwc[-1]
 

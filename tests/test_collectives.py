@@ -8,11 +8,12 @@ a bound on the rounding error.
 
 import math
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from collective_cases import mesh_of, per_device, small_integers
+from harness import per_device, small_integers
 from jax import lax
 
 import torus_collectives as tc
@@ -77,7 +78,7 @@ CASES = [("2x4", a, "shard_map") for a in AXES] + [
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("mesh_name,axes,impl", CASES)
 def test_exact_against_lax(mesh_name, axes, dtype, impl):
-  mesh = mesh_of(mesh_name)
+  mesh = harness.mesh(tuple(int(n) for n in mesh_name.split("x")))
   axis_name = AXES[axes]
   n = _size(mesh, axis_name)
   for tiled in (True, False):
@@ -96,7 +97,7 @@ def test_exact_against_lax(mesh_name, axes, dtype, impl):
 )
 def test_random_floats_within_rounding_bound(dtype, eps, check_vma, impl):
   """|ours - exact| <= p * eps * sum_i |x_i|: at most p roundings of partial sums."""
-  mesh = mesh_of("2x4")
+  mesh = harness.mesh((2, 4))
   p = mesh.size
   x = np.random.default_rng(1).standard_normal((p, 4 * p, 33)).astype(np.float32)
   x = np.asarray(jnp.asarray(x, dtype), np.float64)  # exact values of the inputs
@@ -117,7 +118,7 @@ def test_random_floats_within_rounding_bound(dtype, eps, check_vma, impl):
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("op", ["reduce_scatter", "all_gather", "all_reduce"])
 def test_gradients_match_lax(op, check_vma, impl):
-  mesh = mesh_of("2x4")
+  mesh = harness.mesh((2, 4))
   p, axis_name = mesh.size, ("x", "y")
   x = jnp.asarray(small_integers((p, 2 * p, 3), np.float32, seed=3))
   weights = jnp.asarray(small_integers((p, 2 * p, 3), np.float32, seed=4))
@@ -151,7 +152,7 @@ def test_gradients_match_lax(op, check_vma, impl):
 
 def test_all_reduce_result_is_invariant_under_check_vma():
   """Like lax.psum, the result can be returned as replicated (out_specs=P())."""
-  mesh = mesh_of("2x4")
+  mesh = harness.mesh((2, 4))
   x = jnp.asarray(small_integers((8, 6), np.float32))
   spec = jax.P(("x", "y"))
   f = jax.shard_map(
@@ -178,7 +179,7 @@ def test_lax_torus_runs_the_split_schedule_as_two_per_axis_chains():
     ((rs, 1), (rs, 0), (ag, 0), (ag, 1)),
   )
   assert lax_torus.chains("all_reduce", (8,)) == (((rs, 0), (ag, 0)),)
-  mesh = mesh_of("2x4")
+  mesh = harness.mesh((2, 4))
   f = jax.shard_map(
     lambda v: tc.all_reduce(v, ("x", "y"), implementation="lax_torus"),
     mesh=mesh,

@@ -1,10 +1,11 @@
 """all_reduce_gradients, and a data-parallel training loop that must track lax.psum's."""
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from collective_cases import mesh_of, per_device, sharded, small_integers
+from harness import per_device, sharded, small_integers
 from jax import lax
 
 import torus_collectives as tc
@@ -21,7 +22,7 @@ def _tree(seed, dtype=jnp.float32):
 @pytest.mark.parametrize("bucket_bytes", [16, 10**6])  # one leaf per bucket / one bucket
 @pytest.mark.parametrize("mean", [True, False])
 def test_matches_psum(bucket_bytes, mean):
-  mesh = mesh_of("2x4")
+  mesh = harness.mesh((2, 4))
   tree = _tree(0)
 
   def fn(t):
@@ -37,7 +38,7 @@ def test_matches_psum(bucket_bytes, mean):
 
 
 def test_bf16_transport_keeps_dtypes_and_sums_exactly_on_small_integers():
-  mesh = mesh_of("2x4")
+  mesh = harness.mesh((2, 4))
   tree = _tree(5)
   fn = lambda t: tc.all_reduce_gradients(
     t, ("x", "y"), mean=False, transport_dtype=jnp.bfloat16, implementation="shard_map"
@@ -50,7 +51,7 @@ def test_bf16_transport_keeps_dtypes_and_sums_exactly_on_small_integers():
 
 def test_data_parallel_sgd_tracks_psum():
   """Ten SGD steps of a tiny MLP: parameters equal the lax.psum version's."""
-  mesh = mesh_of("2x4")
+  mesh = harness.mesh((2, 4))
   rng = np.random.default_rng(0)
   data = jnp.asarray(rng.standard_normal((8, 16, 4)), jnp.float32)
   labels = jnp.asarray(rng.standard_normal((8, 16, 1)), jnp.float32)
@@ -98,7 +99,7 @@ def test_transport_dtype_matches_lax(implementation, transport_dtype, mean, axes
   means divide by 2, 4 or 8 (exact too): the results must equal lax.psum / lax.pmean
   bitwise. Averaging over "x" (2 devices) and "y" (4) tells a division by the wrong axis's
   size, or by the whole mesh's, from the right one."""
-  mesh = mesh_of("2x4")
+  mesh = harness.mesh((2, 4))
   tree = _tree(11)
 
   def fn(t):
@@ -119,7 +120,7 @@ def test_transport_dtype_matches_lax(implementation, transport_dtype, mean, axes
 def test_integer_transport_dtype_is_refused(implementation, transport_dtype):
   """An integer transport dtype would truncate every gradient to whole numbers: refused
   with a ValueError naming the fix, at trace time (before any device work)."""
-  mesh = mesh_of("2x4")
+  mesh = harness.mesh((2, 4))
   fn = lambda t: tc.all_reduce_gradients(
     t, ("x", "y"), transport_dtype=transport_dtype, implementation=implementation
   )
@@ -157,7 +158,7 @@ def test_bucket_boundaries_in_the_jaxpr(sizes, bucket_bytes, collectives):
   """Greedy packing puts a leaf in the open bucket while the bucket stays within
   ``bucket_bytes`` (boundary included): counted as torus all-reduces in the jaxpr. The sums
   still equal lax.psum's."""
-  mesh = mesh_of("2x4")
+  mesh = harness.mesh((2, 4))
   tree = [
     jnp.asarray(small_integers((8, n), np.float32, seed=i), jnp.float32)
     for i, n in enumerate(sizes)

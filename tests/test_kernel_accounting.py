@@ -32,6 +32,7 @@ schedule (4 on 2x4, 6 on 2x2x2).
 import math
 from fractions import Fraction
 
+import harness
 import interpret_accounting
 import jax
 import jax.extend
@@ -39,10 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from torus_collectives.kernels import batch_norm as kbn
@@ -73,17 +72,9 @@ def declared(fn, *args) -> list[tuple[str, pl.CostEstimate]]:
 def counted(mode: str, fn, *args):
   """(declared costs, accounting, result) of ``fn(*args)`` traced and run in TPU interpret
   mode under ``interpret_accounting.counting()``, checked for races."""
-  params = pltpu.InterpretParams(
-    dma_execution_mode=mode, detect_races=True, uninitialized_memory="nan"
-  )
-  try:
-    with interpret_accounting.counting() as accounting, pltpu.force_tpu_interpret_mode(params):
-      costs = declared(fn, *args)
-      out = jax.block_until_ready(fn(*args))
-  except Exception:
-    pltpu.reset_tpu_interpret_mode_state()
-    raise
-  assert not interpret_pallas_call.races.races_found
+  with interpret_accounting.counting() as accounting, harness.interpret_mode(mode):
+    costs = declared(fn, *args)
+    out = jax.block_until_ready(fn(*args))
   assert len(accounting.calls) == len(costs), (len(accounting.calls), costs)
   return costs, accounting, out
 
@@ -109,11 +100,6 @@ def _record_schedules(monkeypatch) -> list:
 
     monkeypatch.setattr(torus_kernels, name, recording)
   return schedules
-
-
-def _mesh(shape):
-  names = ("x", "y", "z")[: len(shape)]
-  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape)), names
 
 
 def _per_device(fn, mesh, names):
@@ -166,7 +152,8 @@ def _kernel_buffer_bytes(collective: str, n: int, p: int) -> int:
   ids=[f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[2]}-{c[3]}" for c in TORUS_CASES],
 )
 def test_torus_kernels_move_what_they_declare(monkeypatch, collective, shape, n, mode):
-  mesh, names = _mesh(shape)
+  mesh = harness.mesh(shape)
+  names = mesh.axis_names
   p = mesh.size
   x = jnp.asarray(np.random.default_rng(n).integers(-8, 8, size=(p, n)), jnp.float32)
   ours = getattr(kernels, collective)
@@ -220,7 +207,8 @@ def test_barrier_that_waits_for_one_signal_is_caught(monkeypatch):
 
   monkeypatch.setattr(torus_kernels._Topology, "barrier", barrier)
   schedules = _record_schedules(monkeypatch)
-  mesh, names = _mesh((2, 4))
+  mesh = harness.mesh((2, 4))
+  names = mesh.axis_names
   x = jnp.asarray(np.random.default_rng(1).integers(-8, 8, size=(8, 3_001)), jnp.float32)
   _, accounting, got = counted(
     "on_wait", _per_device(lambda v: kernels.all_reduce(v, names, (2, 4)), mesh, names), x
@@ -272,7 +260,8 @@ def test_batch_norm_kernels_move_what_they_declare(mesh_shape, shape, block_size
   """Every pass on every device of the mesh (each replica runs its own kernels), in whole
   (8, 128) tiles as declared. The kernels start no DMA of their own (the pipeline moves
   their blocks), so one DMA execution mode suffices."""
-  mesh, names = _mesh(mesh_shape)
+  mesh = harness.mesh(mesh_shape)
+  names = mesh.axis_names
   x, dy, coef = _bn_operands(shape, mesh.size)
   for name, fn in _bn_passes(block_sizes).items():
     sharded = jax.jit(
@@ -316,7 +305,8 @@ def test_dma_semaphore_left_signalled_is_caught(monkeypatch):
 
   monkeypatch.setattr(torus_kernels, "pltpu", _Pltpu())
   schedules = _record_schedules(monkeypatch)
-  mesh, names = _mesh((2, 4))
+  mesh = harness.mesh((2, 4))
+  names = mesh.axis_names
   x = jnp.asarray(np.random.default_rng(2).integers(-8, 8, size=(8, 301)), jnp.float32)
   _, accounting, got = counted(
     "eager", _per_device(lambda v: kernels.all_gather(v, names, (2, 4)), mesh, names), x

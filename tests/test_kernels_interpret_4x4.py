@@ -24,20 +24,18 @@ def test_all_reduce_on_a_4x4_torus():
 
 def _main() -> None:
   sys.path.insert(0, os.getcwd())
+  import harness
   import jax
   import jax.numpy as jnp
   import numpy as np
   from jax import lax
-  from jax._src.pallas.mosaic.interpret import interpret_pallas_call
-  from jax.experimental.pallas import tpu as pltpu
-  from jax.sharding import AxisType
   from jax.sharding import PartitionSpec as P
 
   from torus_collectives import configs as torus_config
   from torus_collectives.kernels import pallas_backend as kernels
 
   axes = ("x", "y")
-  mesh = jax.make_mesh((4, 4), axes, axis_types=(AxisType.Auto,) * 2)
+  mesh = harness.mesh((4, 4))
   spec = P(axes)
   # 16 devices x 4 streams x 2 blocks of 16 rows, minus an odd amount (padding).
   n = 16 * 4 * 2 * 16 * 128 - 333
@@ -52,14 +50,8 @@ def _main() -> None:
 
   want = per_device(lambda v: lax.psum(v, axes))(x)
   config = torus_config.KernelConfig(block_rows=16)
-  params = pltpu.InterpretParams(
-    dma_execution_mode="eager", detect_races=True, uninitialized_memory="nan"
-  )
-  with pltpu.force_tpu_interpret_mode(params):
-    got = jax.block_until_ready(
-      per_device(lambda v: kernels.all_reduce(v, axes, (4, 4), config=config))(x)
-    )
-  assert not interpret_pallas_call.races.races_found
+  fn = per_device(lambda v: kernels.all_reduce(v, axes, (4, 4), config=config))
+  got = harness.interpreted("eager", fn, x)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   print(MARKER)
 

@@ -25,6 +25,7 @@ kernel kind, whatever its axes).
 import os
 import sys
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,26 +93,10 @@ def _inputs(p: int):
 
 
 def run_and_compare(mesh) -> None:
-  from jax._src.pallas.mosaic.interpret import interpret_pallas_call
-  from jax.experimental.pallas import tpu as pltpu
-
   x = _inputs(mesh.size)
   want = _run(mesh, x, "xla")
-  params = pltpu.InterpretParams(
-    dma_execution_mode="on_wait", detect_races=True, uninitialized_memory="nan"
-  )
-  try:
-    with pltpu.force_tpu_interpret_mode(params):
-      got = jax.block_until_ready(_run(mesh, x, "pallas"))
-  except Exception:
-    pltpu.reset_tpu_interpret_mode_state()
-    raise
-  assert not interpret_pallas_call.races.races_found
+  got = harness.interpreted("on_wait", _run, mesh, x, "pallas")
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
-def _mesh(shape):
-  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 2)
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 4)])
@@ -119,8 +104,6 @@ def test_each_pattern_has_its_own_collective_id(shape):
   """Kernel names and their axes, against their collective ids, over the whole program.
 
   Tracing only (no kernel runs), so 4x4 works on an abstract mesh of 16 devices."""
-  from jax.experimental.pallas import tpu as pltpu
-
   from bench import aot_report  # kernels inside the torus primitives, as the report finds them
 
   mesh = jax.sharding.AbstractMesh(shape, AXES, axis_types=(AxisType.Auto,) * 2)
@@ -134,7 +117,7 @@ def test_each_pattern_has_its_own_collective_id(shape):
     check_vma=False,
   )
   ids: dict[int, set] = {}
-  with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+  with harness.interpret_mode():
     jaxpr = jax.make_jaxpr(fn)(x).jaxpr
     for eqn in aot_report.pallas_calls(jaxpr, mesh):
       cid = eqn.params["compiler_params"].collective_id
@@ -152,7 +135,7 @@ def test_each_pattern_has_its_own_collective_id(shape):
 
 @pytest.mark.interpret
 def test_mixed_patterns_on_2x4_match_lax():
-  run_and_compare(_mesh((2, 4)))
+  run_and_compare(harness.mesh((2, 4)))
 
 
 @pytest.mark.interpret
@@ -163,5 +146,5 @@ def test_mixed_patterns_on_4x4_match_lax():
 
 if __name__ == "__main__":
   sys.path.insert(0, os.getcwd())
-  run_and_compare(_mesh((4, 4)))
+  run_and_compare(harness.mesh((4, 4)))
   print(MARKER)

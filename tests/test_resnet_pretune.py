@@ -1,9 +1,9 @@
 """Tuning a ResNet's gradient summation and batch norms before training (config.tune)."""
 
+import harness
 import jax
 import jax.numpy as jnp
 import pytest
-from collective_cases import mesh_of
 
 from resnet import models, pretune, train
 
@@ -24,7 +24,7 @@ def _tiny(mesh):
 
 
 def test_batch_norm_shapes_are_the_inputs_of_every_batch_norm():
-  model, state = _tiny(mesh_of("2x4"))
+  model, state = _tiny(harness.mesh((2, 4)))
   variables = {"params": state.params, "batch_stats": state.batch_stats}
   shapes = pretune.batch_norm_shapes(model, variables, (4, 16, 16, 3))
   # stem + 4 bottleneck blocks of 3 norms each, + one projection norm per block.
@@ -40,7 +40,7 @@ def test_tune_model_logs_what_each_op_got(tmp_path):
   def no_timing(name, call):
     raise AssertionError(f"{name} was timed")
 
-  mesh = mesh_of("2x4")
+  mesh = harness.mesh((2, 4))
   model, state = _tiny(mesh)
   choices = pretune.tune_model(
     model,

@@ -13,6 +13,7 @@ all-reduce does; momentum and Adam have no norms) they must agree bitwise.
 import math
 from pathlib import Path
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,17 +22,12 @@ import orbax.checkpoint as ocp
 import pytest
 import sharded_update_cases as cases
 from jax.sharding import PartitionSpec as P
-from test_kernels_interpret import interpreted
 from two_processes import run_two
 
 import torus_collectives as tc
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 WORKER = Path(__file__).with_name("sharded_update_worker.py")
-
-
-def _mesh():
-  return tc.make_torus_mesh((2, 4))
 
 
 def _assert_trees_close(ours, ref, bitwise: bool):
@@ -48,7 +44,7 @@ def _assert_trees_close(ours, ref, bitwise: bool):
   + [("lars", "auto")],  # auto is xla off TPU: once is enough here
 )
 def test_matches_unsharded_optimizer(name, implementation):
-  mesh = _mesh()
+  mesh = harness.mesh((2, 4))
   ours, _ = cases.run(mesh, name, cases.STEPS, sharded=True, implementation=implementation)
   ref, _ = cases.run(mesh, name, cases.STEPS, sharded=False, implementation=implementation)
   reordered = name == "lars" or implementation == "shard_map"
@@ -61,7 +57,7 @@ def test_matches_unsharded_optimizer(name, implementation):
 
 def test_gathering_updates_equals_gathering_parameters():
   """``update`` + ``optax.apply_updates`` is the same step as ``apply_gradients``."""
-  mesh = _mesh()
+  mesh = harness.mesh((2, 4))
   updates = cases.run(mesh, "lars", 2, sharded=True, gather="updates")
   params = cases.run(mesh, "lars", 2, sharded=True, gather="params")
   _assert_trees_close(updates, params, bitwise=True)
@@ -70,8 +66,8 @@ def test_gathering_updates_equals_gathering_parameters():
 @pytest.mark.interpret
 @pytest.mark.parametrize("mode", ["eager", "on_wait"])
 def test_pallas_in_interpret_mode_matches_unsharded(mode):
-  mesh = _mesh()
-  ours = interpreted(
+  mesh = harness.mesh((2, 4))
+  ours = harness.interpreted(
     mode, lambda: cases.run(mesh, "momentum", 1, sharded=True, implementation="pallas")[0]
   )
   ref, _ = cases.run(mesh, "momentum", 1, sharded=False, implementation="xla")
@@ -80,7 +76,7 @@ def test_pallas_in_interpret_mode_matches_unsharded(mode):
 
 def test_lars_exclusions_act_on_the_same_leaves():
   """With zero gradients, only weight decay moves the parameters: kernels only."""
-  mesh = _mesh()
+  mesh = harness.mesh((2, 4))
   tx = tc.sharded_update(cases.transform("lars"), cases.AXES)
 
   def body(params):
@@ -101,7 +97,7 @@ def test_lars_exclusions_act_on_the_same_leaves():
 
 
 def test_state_is_one_pth_per_device():
-  mesh = _mesh()
+  mesh = harness.mesh((2, 4))
   p = mesh.size
   _, sharded = cases.run(mesh, "adam", 1, sharded=True)
   _, full = cases.run(mesh, "adam", 1, sharded=False)
@@ -129,7 +125,7 @@ def test_state_is_one_pth_per_device():
 
 
 def test_orbax_checkpoint_round_trip_resumes_bitwise(tmp_path):
-  mesh = _mesh()
+  mesh = harness.mesh((2, 4))
   init, step = cases.step_fn(mesh, "lars", sharded=True)
   params = cases.initial_params(mesh)
   opt_state = init(params)
@@ -153,7 +149,7 @@ def test_orbax_checkpoint_round_trip_resumes_bitwise(tmp_path):
 
 
 def test_integer_leaves_are_rejected():
-  mesh = _mesh()
+  mesh = harness.mesh((2, 4))
   tx = tc.sharded_update(optax.sgd(0.1), cases.AXES)
   params = {"w": jnp.ones((8,)), "count": jnp.zeros((), jnp.int32)}
   fn = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(cases.AXES))
@@ -162,7 +158,7 @@ def test_integer_leaves_are_rejected():
 
 
 def test_unbound_axis_is_rejected():
-  mesh = _mesh()
+  mesh = harness.mesh((2, 4))
   tx = tc.sharded_update(optax.sgd(0.1), ("x", "z"))
   fn = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(cases.AXES))
   with pytest.raises(ValueError, match="axis 'z' is not bound"):
@@ -177,6 +173,8 @@ def test_two_processes_equal_one(tmp_path):
   out_file = tmp_path / "params.npz"
   run_two(WORKER, str(out_file))
   two = np.load(out_file)
-  one, _ = cases.run(_mesh(), "lars", cases.STEPS, sharded=True, implementation="shard_map")
+  one, _ = cases.run(
+    harness.mesh((2, 4)), "lars", cases.STEPS, sharded=True, implementation="shard_map"
+  )
   for path, leaf in jax.tree_util.tree_flatten_with_path(one)[0]:
     np.testing.assert_array_equal(two[jax.tree_util.keystr(path)], np.asarray(leaf))

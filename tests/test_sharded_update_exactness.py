@@ -12,6 +12,7 @@ steps; ``rtol=2e-5`` leaves two orders of magnitude of margin, while a shard-loc
 (the bug this guards against) is off by 1e-4 to 5e-2.
 """
 
+import harness
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -26,10 +27,6 @@ import torus_collectives as tc
 RTOL = ATOL = 2e-5
 STEPS = 3
 SHAPES = {"bias": (7,), "dense": (5, 3), "conv": (3, 3, 2, 5), "zero": (4,)}
-
-
-def _mesh(shape):
-  return tc.make_torus_mesh(shape, ("x", "y", "z")[: len(shape)])
 
 
 def _params():
@@ -128,7 +125,7 @@ def _assert_exact(mesh, make_tx):
 @pytest.mark.parametrize("mesh_shape", [(2, 4), (2, 2, 2)], ids=["2x4", "2x2x2"])
 @pytest.mark.parametrize("name", sorted(EXACT))
 def test_exact(name, mesh_shape):
-  _assert_exact(_mesh(mesh_shape), EXACT[name])
+  _assert_exact(harness.mesh(mesh_shape), EXACT[name])
 
 
 def _sorted_updates():
@@ -154,7 +151,7 @@ REFUSED = {
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_unshardable_is_refused_at_trace_time(name):
   make_tx, primitive, where = REFUSED[name]
-  step = _run(_mesh((2, 4)), make_tx(), sharded=True)
+  step = _run(harness.mesh((2, 4)), make_tx(), sharded=True)
   with pytest.raises(tc.UnshardableTransformError, match=primitive) as error:
     jax.eval_shape(step, _params())  # tracing alone: no device work
   assert "Fix: run this transformation unsharded" in str(error.value)
@@ -184,5 +181,5 @@ def test_reductions_share_collectives(name, per_step):
   """All of a step's reductions that can wait for each other share one collective: the
   count per step is the depth of the reduction chain (``optax.safe_norm``'s second norm
   depends on its first), not the number of leaves (four here)."""
-  jaxpr = jax.make_jaxpr(_run(_mesh((2, 4)), EXACT[name](), sharded=True))(_params())
+  jaxpr = jax.make_jaxpr(_run(harness.mesh((2, 4)), EXACT[name](), sharded=True))(_params())
   assert _count(jaxpr.jaxpr, {"psum", "pmax", "pmin", "psum_invariant"}) == STEPS * per_step

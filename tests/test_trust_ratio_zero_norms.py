@@ -6,12 +6,12 @@ stays finite. The sharded transforms sum each leaf's squared norm over the shard
 keep that rule: the comparison is with optax run on the whole, unsharded leaves.
 """
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from collective_cases import mesh_of
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
@@ -35,7 +35,7 @@ def _trees():
 
 def _sharded_update(transform, params, updates):
   """One ``transform.update`` inside shard_map, each device holding one row of every leaf."""
-  mesh = mesh_of("2x4")
+  mesh = harness.mesh((2, 4))
   spec = P(AXES)
 
   def body(u, p):

@@ -10,11 +10,12 @@ import json
 import logging
 import warnings
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from collective_cases import mesh_of, small_integers
+from harness import small_integers
 from jax import lax
 
 import torus_collectives as tc
@@ -55,7 +56,7 @@ def _table(choice, op="all_reduce", bucket=24, device_kind="cpu", **changes):
 def _auto(op="all_reduce", nbytes=16 * MiB, dtype=jnp.float32):
   """What "auto" picks when traced inside shard_map on the 2x4 mesh."""
   seen = []
-  mesh = mesh_of("2x4")
+  mesh = harness.mesh((2, 4))
 
   def body(v):
     seen.append(registry.auto_implementation(op, dtype, nbytes=nbytes, torus=(2, 4)))
@@ -407,14 +408,14 @@ def test_shipped_tables_of_other_devices_are_skipped_silently():
 
 def _program_of_auto(collective):
   """The lowered StableHLO, where each implementation leaves its own collectives."""
-  mesh = mesh_of("2x4")
+  mesh = harness.mesh((2, 4))
   f = jax.shard_map(collective, mesh=mesh, in_specs=jax.P(AXES), out_specs=jax.P(AXES))
   return jax.jit(f).lower(jnp.zeros(8 * (MiB // 4), jnp.float32)).as_text()
 
 
 def test_short_real_tuning_run_writes_the_table_auto_then_traces(isolated_tables):
   path = isolated_tables / "tuned.json"
-  mesh = mesh_of("2x4")
+  mesh = harness.mesh((2, 4))
   table = tuner.tune(
     mesh,
     sizes=[MiB],
@@ -447,7 +448,7 @@ def test_short_real_tuning_run_writes_the_table_auto_then_traces(isolated_tables
 
 def test_gradient_summation_on_xla_is_pmean_of_the_tree():
   """No packing copies: with "xla" the traced program is lax.pmean's."""
-  mesh = mesh_of("2x4")
+  mesh = harness.mesh((2, 4))
   tree = {"w": jnp.asarray(small_integers((8, 5, 3), np.float32)), "b": jnp.ones((8, 7))}
 
   def jaxpr(fn):

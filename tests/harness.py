@@ -1,0 +1,111 @@
+"""What every test shares: meshes by shape, per-device inputs, and TPU interpret mode.
+
+``conftest.py`` exposes these as fixtures; modules import them directly where a fixture
+cannot reach (case tables built at collection time, the ``__main__`` blocks that re-run a
+module in a subprocess with 16 devices).
+
+* ``mesh(shape, names=None)``: a mesh of the first ``prod(shape)`` devices, row-major,
+  axes ``x``, ``y``, ``z`` (or ``names``), Auto-typed unless told otherwise.
+* ``small_integers`` (values in [-4, 4]: every sum of up to 16 of them is exact in every
+  dtype, so every summation order gives the same bits) and ``random_floats`` (standard
+  normal, rounded once to the dtype), with a leading axis of one entry per device for
+  ``per_device``.
+* ``interpret_mode(dma_execution_mode)``: the one way the suite runs Pallas TPU kernels off
+  TPU: the race detector on, uninitialized memory poisoned (NaN, integers their maximum),
+  no race allowed at the end, and the interpreter's global state reset if anything fails,
+  so that one failure does not leak into the next test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
+
+AXIS_NAMES = ("x", "y", "z")
+# The torus ranks every conformance base runs: a ring, a 2-D and a 3-D torus of 8 devices.
+RANKS = {"1d": (8,), "2d": (2, 4), "3d": (2, 2, 2)}
+DMA_MODES = ("eager", "on_wait")
+
+
+def mesh(shape, names=None, *, axis_types=AxisType.Auto, devices=None) -> Mesh:
+  """A mesh of ``shape`` over ``devices`` (default: the first ``prod(shape)``), in order."""
+  shape = tuple(shape)
+  names = AXIS_NAMES[: len(shape)] if names is None else tuple(names)
+  if devices is None:
+    devices = jax.devices()[: math.prod(shape)]
+  grid = np.array(devices, dtype=object).reshape(shape)
+  return Mesh(grid, names, axis_types=(axis_types,) * len(shape))
+
+
+def small_integers(shape, dtype, seed=0):
+  """Values in [-4, 4]: every partial sum of up to 16 of them is exact in bf16 and f32."""
+  return np.random.default_rng(seed).integers(-4, 5, size=shape).astype(dtype)
+
+
+def random_floats(shape, dtype=np.float32, seed=0):
+  """Standard normal values rounded once to ``dtype`` (a numpy array of that dtype)."""
+  values = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+  return np.asarray(jnp.asarray(values, dtype))
+
+
+def sharded(fn, mesh, check_vma=True):
+  """Jitted ``fn`` on device-local slices: inputs have a leading axis of one entry per
+  device (row-major over the mesh); outputs come back the same way."""
+  everything = P(tuple(mesh.axis_names))
+
+  def body(*local):
+    outs = fn(*jax.tree.map(lambda v: v[0], local))
+    return jax.tree.map(lambda o: o[None], outs)
+
+  return jax.jit(
+    jax.shard_map(body, mesh=mesh, in_specs=everything, out_specs=everything, check_vma=check_vma)
+  )
+
+
+def per_device(fn, mesh, *inputs, check_vma=True):
+  """Runs ``fn`` once on device-local slices (see ``sharded``)."""
+  return sharded(fn, mesh, check_vma)(*inputs)
+
+
+@contextlib.contextmanager
+def interpret_mode(dma_execution_mode: str = "on_wait"):
+  """Pallas TPU kernels run in TPU interpret mode inside the block, checked for races.
+
+  ``dma_execution_mode`` is "eager" (a DMA lands when it starts) or "on_wait" (when it is
+  waited for). Run the kernels to completion inside the block (``jax.block_until_ready``):
+  the race check at its end sees only what has run."""
+  from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+  from jax.experimental.pallas import tpu as pltpu
+
+  if dma_execution_mode not in DMA_MODES:
+    raise ValueError(f"{dma_execution_mode=}: one of {DMA_MODES}")
+  params = pltpu.InterpretParams(
+    dma_execution_mode=dma_execution_mode, detect_races=True, uninitialized_memory="nan"
+  )
+  try:
+    with pltpu.force_tpu_interpret_mode(params):
+      yield params
+    races = interpret_pallas_call.races  # None until a kernel has run
+    assert races is None or not races.races_found, "the interpreter detected a data race"
+  except BaseException:
+    reset_interpret_mode_state()
+    raise
+
+
+def reset_interpret_mode_state() -> None:
+  """Clears the interpreter's global state (shared memory, semaphores, race records)."""
+  from jax.experimental.pallas import tpu as pltpu
+
+  pltpu.reset_tpu_interpret_mode_state()
+
+
+def interpreted(mode: str, fn, *args):
+  """``fn(*args)`` traced and run to completion in ``interpret_mode(mode)``."""
+  with interpret_mode(mode):
+    return jax.block_until_ready(fn(*args))
