@@ -1,4 +1,5 @@
-"""Ahead-of-time compilation of the torus kernels for real TPU generations, on CPU.
+"""Ahead-of-time compilation of the torus kernels for real TPU generations, on CPU, on 2-D
+and 3-D (v4, v5p) topologies (a rank parameter).
 
 Runs the real Mosaic compiler through libtpu (the ``tpu`` extra, which ``make test``
 installs). The tests are marked ``aot`` and run with the rest of the suite; ``-m aot`` runs
@@ -7,11 +8,15 @@ that reason in pytest's summary (and CI, which installs the extra, fails instead
 ``test_aot_in_ci``).
 A v3 topology is only lowered (with the fallback), never compiled with Pallas: libtpu aborts
 the whole process when compiling a Pallas remote DMA for v2/v3.
+The 3-D meshes come from ``tc.make_torus_mesh`` over the topology's devices
+(``aot_report.topology_mesh(topology, shape)``), which places each device at its chip
+coordinates (v4 exposes two devices per chip: they share the last axis).
 """
 
 import aot_skip
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -27,12 +32,28 @@ pytestmark = pytest.mark.aot
 MOSAIC = "tpu_custom_call"
 
 
-@pytest.mark.parametrize("topology,dtype", [("v5p:2x2x2", jnp.int32)])
-def test_all_reduce_compiles_small(topology, dtype):
-  """Both kernels (reduce-scatter, then all-gather) on the split 2-D torus, odd size (the
-  floating types at this size: ``test_ragged_all_reduce_is_the_kernels_alone...``)."""
-  mesh = aot_report.topology_mesh(topology)
-  compiled = aot_report.lower_all_reduce(mesh, 100_003, dtype, "pallas").compile()
+def _mesh_and_axes(topology, shape):
+  """The topology's 2-D mesh (shape None) or its torus mesh of ``shape``, and its axes."""
+  mesh = aot_report.topology_mesh(topology, shape)
+  return mesh, tuple(mesh.axis_names)
+
+
+@pytest.mark.parametrize(
+  "rank,topology,shape,dtype",
+  [
+    ("2d", "v5p:2x2x2", None, jnp.int32),
+    ("3d", "v4:2x2x2", (2, 2, 4), jnp.bfloat16),
+    ("3d", "v5p:2x2x2", (2, 2, 2), jnp.float32),
+    ("3d", "v5p:4x4x4", (4, 4, 4), jnp.int32),
+  ],
+  ids=["2d-v5p:2x2x2", "3d-v4:2x2x2-2x2x4", "3d-v5p:2x2x2", "3d-v5p:4x4x4"],
+)
+def test_all_reduce_compiles_small(rank, topology, shape, dtype):
+  """Both kernels (reduce-scatter, then all-gather) on the split torus (four streams in 2-D,
+  six in 3-D), odd size (the floating types at this size on 2-D:
+  ``test_ragged_all_reduce_is_the_kernels_alone...``)."""
+  mesh, axes = _mesh_and_axes(topology, shape)
+  compiled = aot_report.lower_all_reduce(mesh, 100_003, dtype, "pallas", axes=axes).compile()
   assert compiled.as_text().count(MOSAIC) >= 2
 
 
@@ -54,20 +75,28 @@ def assert_kernels_alone_at_the_traffic_floor(compiled, devices: int, nbytes: in
   assert ideal <= aot_report.collective_bytes(compiled) <= 1.05 * ideal
 
 
+# Six streams with whole 16-row tiles on 8 devices (no padding).
+ALIGNED_3D = 8 * 6 * 16 * 128 * 4
+
+
 @pytest.mark.parametrize(
-  "topology,dtype",
+  "rank,topology,shape,dtype,elements",
   [
-    ("v4:2x2x2", jnp.float32),
-    ("v5e:4x4", jnp.bfloat16),
-    ("v5p:2x2x2", jnp.bfloat16),
-    ("v6e:4x4", jnp.float32),
+    ("2d", "v4:2x2x2", None, jnp.float32, ALIGNED),
+    ("2d", "v5e:4x4", None, jnp.bfloat16, ALIGNED),
+    ("2d", "v5p:2x2x2", None, jnp.bfloat16, ALIGNED),
+    ("2d", "v6e:4x4", None, jnp.float32, ALIGNED),
+    ("3d", "v5p:2x2x2", (2, 2, 2), jnp.bfloat16, ALIGNED_3D),
   ],
+  ids=["2d-v4:2x2x2", "2d-v5e:4x4", "2d-v5p:2x2x2", "2d-v6e:4x4", "3d-v5p:2x2x2"],
 )
-def test_all_reduce_is_the_kernels_alone_at_the_traffic_floor(topology, dtype):
-  mesh = aot_report.topology_mesh(topology)
-  compiled = aot_report.lower_all_reduce(mesh, ALIGNED, dtype, "pallas").compile()
+def test_all_reduce_is_the_kernels_alone_at_the_traffic_floor(
+  rank, topology, shape, dtype, elements
+):
+  mesh, axes = _mesh_and_axes(topology, shape)
+  compiled = aot_report.lower_all_reduce(mesh, elements, dtype, "pallas", axes=axes).compile()
   assert_kernels_alone_at_the_traffic_floor(
-    compiled, mesh.size, ALIGNED * jnp.dtype(dtype).itemsize
+    compiled, mesh.size, elements * jnp.dtype(dtype).itemsize
   )
 
 
@@ -108,11 +137,26 @@ def test_a_consumed_result_is_read_in_place_without_an_output_copy():
   assert ideal <= collective <= 1.05 * ideal
 
 
-def test_ring_on_one_axis_compiles():
-  """The bidirectional ring along one axis of a 2-D mesh (the other axis in device ids)."""
-  mesh = aot_report.topology_mesh("v5e:4x4")
-  compiled = aot_report.lower_all_reduce(mesh, 4096, jnp.float32, "pallas", axes=("y",)).compile()
+@pytest.mark.parametrize(
+  "rank,topology,shape,axes",
+  [("2d", "v5e:4x4", None, ("y",)), ("3d", "v5p:2x2x2", (2, 4), ("x", "y"))],
+  ids=["2d-ring-on-y", "3d-2d-torus-over-a-3d-slice"],
+)
+def test_torus_of_fewer_axes_compiles(rank, topology, shape, axes):
+  """A torus of fewer axes than the topology: the bidirectional ring along one axis of a
+  2-D mesh (the other axis in device ids), and a 2-D torus over a 3-D slice."""
+  mesh, _ = _mesh_and_axes(topology, shape)
+  compiled = aot_report.lower_all_reduce(mesh, 4096, jnp.float32, "pallas", axes=axes).compile()
   assert compiled.as_text().count(MOSAIC) >= 2
+
+
+def test_3d_meshes_follow_chip_coordinates():
+  mesh = aot_report.topology_mesh("v5p:4x4x4", (4, 4, 4))
+  for index in np.ndindex(4, 4, 4):
+    assert tuple(mesh.devices[index].coords) == index
+  mesh = aot_report.topology_mesh("v4:2x2x2", (2, 2, 4))
+  for (i, j, k), device in np.ndenumerate(mesh.devices):
+    assert (tuple(device.coords), device.core_on_chip) == ((i, j, k // 2), k % 2)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -1,24 +1,33 @@
-"""The remote-DMA torus kernels in TPU interpret mode on 8 simulated CPU devices, against lax.
+"""The remote-DMA torus kernels in TPU interpret mode on 8 simulated CPU devices, against lax,
+on 2-D and 3-D tori (a rank parameter).
 
-Every kernel run uses the race detector (a race raises inside the interpreter, and the last
-kernel's race state is checked as well) and poisons uninitialized memory with NaN (integer
-buffers with their maximum value), so reading a buffer before a DMA has filled it shows up
-as a wrong or NaN result. Interpret mode is slow (seconds per kernel), so the matrix is a
-chosen spread over meshes, dtypes, collectives and DMA execution modes rather than their
-product; every collective runs in both ``eager`` and ``on_wait`` modes somewhere (the
-multi-block all-reduce runs eagerly on the 4x4 torus in test_kernels_interpret_4x4.py).
+Every kernel run goes through ``harness.interpret_mode``: the race detector on (a race
+raises inside the interpreter, and the last kernel's race state is checked as well) and
+uninitialized memory poisoned with NaN (integer buffers with their maximum value), so reading
+a buffer before a DMA has filled it shows up as a wrong or NaN result. Interpret mode is slow
+(seconds per kernel), so the matrix is a chosen spread over meshes, dtypes, collectives and
+DMA execution modes rather than their product; every collective runs in both ``eager`` and
+``on_wait`` modes somewhere on each rank (the multi-block all-reduce runs eagerly on the 4x4
+torus in test_kernels_interpret_4x4.py).
+
+On 3-D tori (2x2x2 here; 2x2x4, 16 devices, in a subprocess) the split schedule runs six
+streams, and its first reduce-scatter slab spans two grid axes, which the 2-D kernels never
+see; integer inputs make those comparisons exact.
 """
 
+import os
+import sys
+
+import harness
 import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from device_count_subprocess import run_as_script
+from harness import interpret_mode, interpreted
 from jax import lax
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
@@ -30,37 +39,21 @@ from torus_collectives.kernels import torus_kernels
 pytestmark = pytest.mark.interpret
 
 AXES = ("x", "y")
+MARKER = "2x2x4 kernels match lax"
 # 16-row blocks, so a chunk of more than 16 rows per stream streams through VMEM in pieces.
 SMALL_BLOCKS = config_lib.KernelConfig(block_rows=16)
-# Per-device elements of each chunk: 2 blocks per stream slice on the 4-stream torus, minus
-# an odd amount so the padding path runs too.
+# Per-device elements of each chunk: 2 blocks per stream slice on the 4-stream (2-D) and
+# 6-stream (3-D) torus, minus an odd amount so the padding path runs too.
 MULTI_BLOCK_CHUNK = 4 * 2 * 16 * 128 - 77
+MULTI_BLOCK_CHUNK_3D = 6 * 2 * 16 * 128 - 77
 
 
-def interpreted(mode: str, fn, *args):
-  """``fn(*args)`` traced and run in TPU interpret mode, checked for races."""
-  params = pltpu.InterpretParams(
-    dma_execution_mode=mode, detect_races=True, uninitialized_memory="nan"
-  )
-  try:
-    with pltpu.force_tpu_interpret_mode(params):
-      out = jax.block_until_ready(fn(*args))
-  except Exception:
-    pltpu.reset_tpu_interpret_mode_state()
-    raise
-  assert not interpret_pallas_call.races.races_found
-  return out
-
-
-def _mesh(shape):
-  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 2)
-
-
-def _per_device(fn, mesh, axes, *, check_vma=False):
-  """Runs ``fn`` on each device's row of an ``(8, k)`` array."""
+def _per_device(fn, mesh, axes=None, *, check_vma=False):
+  """Runs ``fn`` on each device's row of an ``(devices, k)`` array."""
+  names = P(tuple(mesh.axis_names))
   return jax.jit(
     jax.shard_map(
-      lambda v: fn(v[0])[None], mesh=mesh, in_specs=P(AXES), out_specs=P(AXES), check_vma=check_vma
+      lambda v: fn(v[0])[None], mesh=mesh, in_specs=names, out_specs=names, check_vma=check_vma
     )
   )
 
@@ -84,29 +77,56 @@ INPUT_ELEMENTS = {  # per device, for a chunk of m elements on p devices
 }
 
 
-# (collective, mesh shape, axes, dtype, integer inputs, chunk elements, DMA mode)
-CASES = [
-  ("all_reduce", (2, 4), AXES, jnp.int32, True, MULTI_BLOCK_CHUNK, "on_wait"),
-  ("all_reduce", (2, 4), AXES, jnp.bfloat16, False, 300, "on_wait"),
-  ("all_reduce", (2, 4), ("y",), jnp.float32, True, 300, "eager"),
-  ("reduce_scatter", (4, 2), AXES, jnp.float32, False, MULTI_BLOCK_CHUNK, "on_wait"),
-  ("reduce_scatter", (1, 8), AXES, jnp.bfloat16, True, 300, "eager"),
-  ("all_gather", (4, 2), AXES, jnp.bfloat16, False, 300, "eager"),
-  ("all_gather", (1, 8), AXES, jnp.int32, True, 300, "on_wait"),
-  ("all_gather", (8, 1), AXES, jnp.float16, True, 300, "eager"),
-]
+# (collective, mesh shape, axes, dtype, integer inputs, chunk elements, DMA mode), by rank.
+# 3-D: every collective in both modes, on several axis orders, a 2-D torus and a ring over
+# a 3-D mesh. Chunks of 300 elements are under a tile per stream, so they run one stream;
+# the two larger chunks run all six, in pieces, and bfloat16 partial sums travel as bfloat16
+# (16-row tiles) with float32 adds.
+CASES = {
+  "2d": [
+    ("all_reduce", (2, 4), AXES, jnp.int32, True, MULTI_BLOCK_CHUNK, "on_wait"),
+    ("all_reduce", (2, 4), AXES, jnp.bfloat16, False, 300, "on_wait"),
+    ("all_reduce", (2, 4), ("y",), jnp.float32, True, 300, "eager"),
+    ("reduce_scatter", (4, 2), AXES, jnp.float32, False, MULTI_BLOCK_CHUNK, "on_wait"),
+    ("reduce_scatter", (1, 8), AXES, jnp.bfloat16, True, 300, "eager"),
+    ("all_gather", (4, 2), AXES, jnp.bfloat16, False, 300, "eager"),
+    ("all_gather", (1, 8), AXES, jnp.int32, True, 300, "on_wait"),
+    ("all_gather", (8, 1), AXES, jnp.float16, True, 300, "eager"),
+  ],
+  "3d": [
+    ("all_reduce", (2, 2, 2), ("x", "y", "z"), jnp.int32, True, MULTI_BLOCK_CHUNK_3D, "on_wait"),
+    ("all_reduce", (2, 2, 2), ("z", "x", "y"), jnp.bfloat16, True, 6 * 16 * 128 - 5, "eager"),
+    ("reduce_scatter", (2, 2, 2), ("y", "z", "x"), jnp.int32, True, 300, "eager"),
+    ("reduce_scatter", (2, 2, 2), ("x", "y", "z"), jnp.float32, True, 300, "on_wait"),
+    ("all_gather", (2, 2, 2), ("z", "y", "x"), jnp.int32, True, 300, "on_wait"),
+    ("all_gather", (2, 2, 2), ("x", "y", "z"), jnp.bfloat16, True, 300, "eager"),
+    ("all_reduce", (2, 2, 2), ("x", "z"), jnp.int32, True, 300, "on_wait"),
+    ("all_reduce", (2, 2, 2), ("y",), jnp.float32, True, 300, "eager"),
+  ],
+}
+
+
+def _case_id(rank, c):
+  shape = "x".join(map(str, c[1]))
+  return f"{rank}-{c[0]}-{shape}-{'.'.join(c[2])}-{jnp.dtype(c[3]).name}-{c[6]}"
+
+
+def _inputs_for(shape, p, n, dtype, integers):
+  if len(shape) == 3:  # the 3-D cases draw from a generator seeded by the group size
+    return jnp.asarray(np.random.default_rng(p).integers(-8, 8, size=(8, n)), dtype)
+  return _inputs(dtype, (8, n), integers)
 
 
 @pytest.mark.parametrize(
-  "collective,shape,axes,dtype,integers,chunk,mode",
-  CASES,
-  ids=[f"{c[0]}-{c[1][0]}x{c[1][1]}-{'.'.join(c[2])}-{jnp.dtype(c[3]).name}-{c[6]}" for c in CASES],
+  "rank,collective,shape,axes,dtype,integers,chunk,mode",
+  [(rank, *c) for rank, cases in CASES.items() for c in cases],
+  ids=[_case_id(rank, c) for rank, cases in CASES.items() for c in cases],
 )
-def test_kernel_matches_lax(collective, shape, axes, dtype, integers, chunk, mode):
-  mesh = _mesh(shape)
+def test_kernel_matches_lax(rank, collective, shape, axes, dtype, integers, chunk, mode):
+  mesh = harness.mesh(shape)
   torus = tuple(mesh.shape[a] for a in axes)
   p = int(np.prod(torus))
-  x = _inputs(dtype, (8, INPUT_ELEMENTS[collective](p, chunk)), integers)
+  x = _inputs_for(shape, p, INPUT_ELEMENTS[collective](p, chunk), dtype, integers)
   want = _per_device(LAX[collective](axes), mesh, axes)(x)
   ours = getattr(kernels, collective)
   # Random 16-bit floats are summed with float32 partials, rounded once like lax's sum on
@@ -115,6 +135,9 @@ def test_kernel_matches_lax(collective, shape, axes, dtype, integers, chunk, mod
     block_rows=SMALL_BLOCKS.block_rows, float32_partials=not integers
   )
   got = interpreted(mode, _per_device(lambda v: ours(v, axes, torus, config=config), mesh, axes), x)
+  if rank == "3d":
+    np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
+    return
   got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
   assert not np.isnan(got).any()
   if integers or collective == "all_gather":
@@ -126,20 +149,31 @@ def test_kernel_matches_lax(collective, shape, axes, dtype, integers, chunk, mod
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
 
 
-def test_public_api_forward_and_gradient():
+@pytest.mark.parametrize(
+  "rank,shape,axes,seed",
+  [("2d", (2, 4), AXES, None), ("3d", (2, 2, 2), ("z", "x", "y"), 3)],
+  ids=["2d", "3d"],
+)
+def test_public_api_forward_and_gradient(rank, shape, axes, seed):
   """tc.reduce_scatter(implementation="pallas") under check_vma=True, with its VJP
   (the all-gather kernel), against lax. (Untiled calls differ only in the public layer's
   reshapes, which its own tests cover.)"""
-  mesh = _mesh((2, 4))
-  x = _inputs(jnp.float32, (8, 8 * 24), integers=True)
-  w = _inputs(jnp.float32, (8, 24), integers=True)
+  mesh = harness.mesh(shape)
+  names = P(tuple(mesh.axis_names))
+  if seed is None:
+    x = _inputs(jnp.float32, (8, 8 * 24), integers=True)
+    w = _inputs(jnp.float32, (8, 24), integers=True)
+  else:
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.integers(-8, 8, size=(8, 8 * 24)), jnp.float32)
+    w = jnp.asarray(rng.integers(-8, 8, size=(8, 24)), jnp.float32)
 
   def loss(impl):
     def per_device(v, u):
-      out = tc.reduce_scatter(v[0], AXES, tiled=True, implementation=impl)
+      out = tc.reduce_scatter(v[0], axes, tiled=True, implementation=impl)
       return jnp.sum(out * u[0])[None]
 
-    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P(AXES), P(AXES)), out_specs=P(AXES))
+    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(names, names), out_specs=names)
     return jax.jit(jax.value_and_grad(lambda v, u: sharded(v, u).sum()))
 
   want = loss("xla")(x, w)
@@ -149,7 +183,7 @@ def test_public_api_forward_and_gradient():
 
 
 def test_pallas_off_tpu_without_interpret_mode_raises():
-  mesh = _mesh((2, 4))
+  mesh = harness.mesh((2, 4))
   f = _per_device(lambda v: tc.all_reduce(v, AXES, implementation="pallas"), mesh, AXES)
   with pytest.raises(ValueError, match="force_tpu_interpret_mode"):
     f(jnp.ones((8, 16), jnp.float32))
@@ -162,7 +196,7 @@ def test_auto_is_xla_on_cpu():
     seen.append(registry.auto_implementation())
     return v
 
-  _per_device(record, _mesh((2, 4)), AXES)(jnp.ones((8, 4)))
+  _per_device(record, harness.mesh((2, 4)), AXES)(jnp.ones((8, 4)))
   assert seen == ["xla"]
 
 
@@ -187,11 +221,11 @@ def test_bfloat16_wire_bytes_and_types(float32_partials):
 
   Tracing only: the kernels' operand types and declared remote bytes, and whether any
   conversion runs outside them."""
-  mesh, p = _mesh((2, 4)), 8
+  mesh, p = harness.mesh((2, 4)), 8
   n = p * 4 * 16 * 128  # a whole number of 16-row blocks per stream: no padding
   config = config_lib.KernelConfig(float32_partials=float32_partials)
   fn = _per_device(lambda v: kernels.all_reduce(v, AXES, (2, 4), config=config), mesh, AXES)
-  with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+  with interpret_mode():
     jaxpr = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((8, n), jnp.bfloat16)).jaxpr
   calls = list(_equations(jaxpr, "pallas_call"))
   wire = jnp.float32 if float32_partials else jnp.bfloat16
@@ -210,7 +244,7 @@ def test_bfloat16_error_against_float64():
   rounded once: within half a bf16 ulp of the exact sum. With bf16 partials each of the
   4 adds on an element's path (3 on the y ring, 1 on x) rounds: within 4 u sum|x_i|
   (u = 2**-8, the bf16 unit roundoff)."""
-  mesh, p, u = _mesh((2, 4)), 8, 2.0**-8
+  mesh, p, u = harness.mesh((2, 4)), 8, 2.0**-8
   x = _inputs(jnp.bfloat16, (8, p * 4 * 16 * 128), integers=False)
   terms = np.asarray(x, np.float64)
   exact, scale = terms.sum(0), np.abs(terms).sum(0)
@@ -237,7 +271,7 @@ def test_bfloat16_error_against_float64():
 def test_all_reduce_pieces_and_padding(n, block_rows):
   """Slabs cut into pieces that do not divide the slice, and a buffer smaller than one
   tile per stream, against lax (integers: exact)."""
-  mesh = _mesh((2, 4))
+  mesh = harness.mesh((2, 4))
   x = _inputs(jnp.int32, (8, n), integers=True)
   want = _per_device(LAX["all_reduce"](AXES), mesh, AXES)(x)
   config = config_lib.KernelConfig(block_rows=block_rows)
@@ -254,10 +288,10 @@ def test_stream_slices_are_padded_to_one_native_tile_at_most(dtype, rows):
   """17 rows per stream slice pad to 24 (8-row tiles) in 32-bit types, 32 (16-row tiles)
   in 16-bit ones: the receive slots (2 slots of a 4-chunk slab) are sized by them, while
   the buffer itself is not padded. Tracing only."""
-  mesh, p = _mesh((2, 4)), 8
+  mesh, p = harness.mesh((2, 4)), 8
   n = p * 4 * 17 * 128 - 3
   fn = _per_device(lambda v: kernels.all_reduce(v, AXES, (2, 4)), mesh, AXES)
-  with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+  with interpret_mode():
     jaxpr = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((8, n), dtype)).jaxpr
   calls = list(_equations(jaxpr, "pallas_call"))
   work, slot = (aval.shape for aval in calls[0].params["out_avals"][:2])
@@ -293,11 +327,11 @@ RAGGED = [
 def test_ragged_all_reduce_matches_lax(n, dtype, mode):
   """Sizes that are no multiple of the grid, of a DMA word or of the devices, against
   lax.psum on small integers: exact (16-bit floats too: their sums stay under 256)."""
-  mesh = _mesh((2, 4))
+  mesh = harness.mesh((2, 4))
   x = _inputs(dtype, (8, n), integers=True)
   want = _per_device(LAX["all_reduce"](AXES), mesh, AXES)(x)
   fn = _per_device(lambda v: kernels.all_reduce(v, AXES, (2, 4), config=SMALL_BLOCKS), mesh, AXES)
-  with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+  with interpret_mode():
     assert _glue(jax.make_jaxpr(fn)(x).jaxpr) == []
   got = interpreted(mode, fn, x)
   np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
@@ -306,7 +340,7 @@ def test_ragged_all_reduce_matches_lax(n, dtype, mode):
 def test_ragged_bfloat16_all_reduce_error_against_float64():
   """Random bfloat16 on a ragged size, bf16 partial sums: within the per-hop bound of
   ``test_bfloat16_error_against_float64`` (4 u sum|x_i|) of the exact sum."""
-  mesh, u = _mesh((2, 4)), 2.0**-8
+  mesh, u = harness.mesh((2, 4)), 2.0**-8
   x = _inputs(jnp.bfloat16, (8, 8 * C_16_ROWS - 300), integers=False)
   terms = np.asarray(x, np.float64)
   fn = _per_device(lambda v: kernels.all_reduce(v, AXES, (2, 4), config=SMALL_BLOCKS), mesh, AXES)
@@ -333,11 +367,11 @@ def test_word_aligned_chunks_match_lax_without_glue(collective, m, dtype, mode):
   """Chunks of ``m`` elements, ``m`` whole DMA words (512 bytes): the kernels read and
   write the caller's buffers as they are (no pad or slice in the program), exact on
   integers against lax."""
-  mesh, p = _mesh((2, 4)), 8
+  mesh, p = harness.mesh((2, 4)), 8
   x = _inputs(dtype, (8, INPUT_ELEMENTS[collective](p, m)), integers=True)
   ours = getattr(kernels, collective)
   fn = _per_device(lambda v: ours(v, AXES, (2, 4), config=SMALL_BLOCKS), mesh, AXES)
-  with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+  with interpret_mode():
     assert _glue(jax.make_jaxpr(fn)(x).jaxpr) == []
   want = _per_device(LAX[collective](AXES), mesh, AXES)(x)
   got = interpreted(mode, fn, x)
@@ -347,10 +381,10 @@ def test_word_aligned_chunks_match_lax_without_glue(collective, m, dtype, mode):
 def test_too_many_pieces_for_the_semaphores_raises():
   """60 pieces of 16 rows per slice need more DMA semaphores than a kernel may hold: a
   clear error at trace time. Tracing only."""
-  mesh = _mesh((2, 4))
+  mesh = harness.mesh((2, 4))
   n = 8 * 4 * 60 * 16 * 128
   fn = _per_device(lambda v: kernels.all_reduce(v, AXES, (2, 4), config=SMALL_BLOCKS), mesh, AXES)
-  with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+  with interpret_mode():
     with pytest.raises(ValueError, match="semaphores.*larger KernelConfig"):
       jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((8, n), jnp.float32))
 
@@ -368,8 +402,33 @@ def test_vmem_add_loops_over_blocks(dtype):
     o_ref[...] = x_ref[...]
     torus_kernels.add_in_vmem(o_ref, y_ref, n)
 
-  add = pl.pallas_call(
-    kernel, out_shape=jax.ShapeDtypeStruct((n,), dtype), interpret=pltpu.InterpretParams()
-  )
   want = (x.astype(jnp.float32) + y.astype(jnp.float32)).astype(dtype)
-  np.testing.assert_array_equal(np.asarray(add(x, y), np.float32), np.asarray(want, np.float32))
+  with interpret_mode() as params:  # a bare pallas_call takes the parameters itself
+    add = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((n,), dtype), interpret=params)
+    got = jax.block_until_ready(add(x, y))
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def check_against_lax(shape, collective, axes, dtype, chunk, mode):
+  """One kernel on a mesh of ``shape`` (integers: exact) against lax."""
+  mesh = harness.mesh(shape)
+  torus = tuple(mesh.shape[a] for a in axes)
+  p = int(np.prod(torus))
+  n = INPUT_ELEMENTS[collective](p, chunk)
+  x = jnp.asarray(np.random.default_rng(p).integers(-8, 8, size=(mesh.size, n)), dtype)
+  want = _per_device(LAX[collective](axes), mesh)(x)
+  ours = getattr(kernels, collective)
+  got = interpreted(mode, _per_device(lambda v: ours(v, axes, torus, config=SMALL_BLOCKS), mesh), x)
+  np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
+
+
+@pytest.mark.slow
+def test_2x2x4_in_a_subprocess():
+  run_as_script(__file__, 16, MARKER)
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  # A 4-long axis: phases of several steps, so the capacity handshake runs between phases.
+  check_against_lax((2, 2, 4), "all_reduce", ("z", "y", "x"), jnp.int32, 300, "eager")
+  print(MARKER)
