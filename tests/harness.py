@@ -14,11 +14,15 @@ module in a subprocess with 16 devices).
   TPU: the race detector on, uninitialized memory poisoned (NaN, integers their maximum),
   no race allowed at the end, and the interpreter's global state reset if anything fails,
   so that one failure does not leak into the next test.
+* For the conformance bases: ``implementation_cases`` (a test's parametrization over the
+  registered implementations, with the depth of those that run Pallas kernels) and ``run``
+  (interpret mode where the implementation needs it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 
 import jax
@@ -109,3 +113,82 @@ def interpreted(mode: str, fn, *args):
   """``fn(*args)`` traced and run to completion in ``interpret_mode(mode)``."""
   with interpret_mode(mode):
     return jax.block_until_ready(fn(*args))
+
+
+# ---------------------------------------------------------------------- conformance bases
+
+
+def kernels(impl: str) -> bool:
+  """``impl`` runs Pallas kernels (its record's ``pallas_kernels``): off TPU only in TPU
+  interpret mode, seconds per kernel. "auto" never needs interpret mode on CPU."""
+  from torus_collectives import registry
+
+  return impl != "auto" and registry.BACKENDS[impl].pallas_kernels
+
+
+def run(impl: str | None, fn, dma: str | None = None):
+  """``fn()`` to completion; inside ``interpret_mode(dma or "on_wait")`` where ``impl``
+  runs Pallas kernels (None: lax, a reference)."""
+  if impl is not None and kernels(impl):
+    with interpret_mode(dma or "on_wait"):
+      return jax.block_until_ready(fn())
+  return jax.block_until_ready(fn())
+
+
+def _case_id(value) -> str:
+  if isinstance(value, tuple):
+    return ("x" if value and isinstance(value[0], int) else "").join(map(str, value))
+  if isinstance(value, (type, np.dtype)):
+    return np.dtype(value).name
+  return str(value)
+
+
+def implementation_cases(
+  implementations,
+  argnames: str,
+  *axes,
+  rows=None,
+  spread=None,
+  kernel_free=False,
+  refuses=None,
+  keep=None,
+):
+  """``pytest.mark.parametrize("impl,dma," + argnames)`` over ``implementations`` × the
+  product of ``axes`` (or the case tuples ``rows``): what a conformance base's test runs;
+  ``keep(impl, *case)``, if given, says which of those it runs.
+
+  An implementation with Pallas kernels keeps a case only if no kernel runs in it
+  (``kernel_free``, or ``refuses(impl, *case)`` is not None: its record refuses the request
+  at trace time) or the case is in ``spread`` ({case: DMA execution mode}); ``dma`` is that
+  mode, and None in every other case. Ids: the implementation, the case, the mode.
+  """
+  import pytest
+
+  spread = spread or {}
+  rows = list(itertools.product(*axes)) if rows is None else [tuple(r) for r in rows]
+  params = []
+  for impl in implementations:
+    for case in rows:
+      if keep is not None and not keep(impl, *case):
+        continue
+      dma, marks = None, []
+      if kernels(impl):
+        refused = refuses is not None and refuses(impl, *case) is not None
+        if not (kernel_free or refused):
+          if case not in spread:
+            continue
+          dma, marks = spread[case], [pytest.mark.interpret]
+      ids = [impl, *map(_case_id, case)] + ([dma] if dma else [])
+      params.append(pytest.param(impl, dma, *case, marks=marks, id="-".join(ids)))
+  return pytest.mark.parametrize(",".join(["impl", "dma", *filter(None, [argnames])]), params)
+
+
+def parametrized_implementations(test) -> set[str]:
+  """The implementations a test function of a base is parametrized over."""
+  found = set()
+  for mark in getattr(test, "pytestmark", []):
+    if mark.name == "parametrize" and mark.args[0].split(",")[0] == "impl":
+      for param in mark.args[1]:
+        values = getattr(param, "values", param)
+        found.add(values if isinstance(values, str) else values[0])
+  return found

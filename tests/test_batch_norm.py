@@ -1,58 +1,28 @@
-"""Distributed batch norm ("xla" path) vs flax.linen.BatchNorm and a gathered-batch reference.
+"""Distributed batch norm's flax module ("xla" path) vs flax.linen.BatchNorm, and bad input.
 
 Every cross-replica case runs under jax.shard_map on a 2x4 mesh of simulated devices,
-differentiating the sum of all replicas' losses (jax's shard_map autodiff semantics).
+differentiating the sum of all replicas' losses (jax's shard_map autodiff semantics). The
+op against float64 and gathered-batch references, for every implementation and torus
+rank, is test_conformance_batch_norm.py's.
 """
 
-import math
-
 import flax.linen as fnn
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import AxisType
+from batch_norm_cases import REPLICAS, C
+from batch_norm_cases import assert_close as _assert_close
+from batch_norm_cases import inputs as _inputs
+from batch_norm_cases import loss as _loss
 from jax.sharding import PartitionSpec as P
 
-from torus_collectives import groups
 from torus_collectives.norm.batch_norm import batch_norm
 from torus_collectives.norm.linen import BatchNorm
 
 AXES = ("x", "y")
 MESH_SHAPE = (2, 4)
-REPLICAS = math.prod(MESH_SHAPE)
-C = 16
-
-
-def _mesh():
-  return jax.make_mesh(MESH_SHAPE, AXES, axis_types=(AxisType.Auto,) * 2)
-
-
-def _inputs(dtype, batch=2 * REPLICAS, hw=4, offset=0.0, seed=0):
-  kx, kw, ks = jax.random.split(jax.random.key(seed), 3)
-  x = (offset + 2.0 * jax.random.normal(kx, (batch, hw, hw, C))).astype(dtype)
-  weights = jax.random.normal(kw, (hw, hw, C), jnp.float32)  # makes the loss non-trivial
-  scale = 1.0 + 0.1 * jax.random.normal(ks, (C,))
-  bias = jnp.linspace(-0.5, 0.5, C)
-  return x, weights, scale, bias
-
-
-def _assert_close(actual, expected, dtype, count):
-  """Max error relative to the largest |expected|, within a size-scaled bound.
-
-  Two roundings of the result (``dtype``) plus float32 sums of ``count`` terms on each
-  side, whose error grows like sqrt(count).
-  """
-  actual = np.asarray(actual, np.float64)
-  expected = np.asarray(expected, np.float64)
-  tol = 2 * float(jnp.finfo(dtype).eps) + 4 * float(jnp.finfo(jnp.float32).eps) * math.sqrt(count)
-  err = np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30)
-  assert err <= tol, f"relative error {err:.3g} > {tol:.3g}"
-
-
-def _loss(y, weights):
-  return jnp.sum(y.astype(jnp.float32) ** 2 * weights)
 
 
 def _grads_in_shard_map(module, x, weights, scale, bias):
@@ -76,7 +46,7 @@ def _grads_in_shard_map(module, x, weights, scale, bias):
     lambda *a: jax.tree.map(
       lambda s: s[None] if s.ndim == 1 else s, body(*a), is_leaf=lambda s: isinstance(s, jax.Array)
     ),
-    mesh=_mesh(),
+    mesh=harness.mesh(MESH_SHAPE),
     in_specs=(rep, P(), P()),
     out_specs=(rep, stats_spec, (rep, rep, rep)),
     check_vma=False,
@@ -105,125 +75,6 @@ def test_module_matches_flax(dtype, group_size):
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert a.dtype == b.dtype and a.shape == b.shape
     _assert_close(a, b, dtype, count)
-
-
-def _reference_total_loss(x, weights, scale, bias, tile, relu):
-  """Sum of all replicas' losses, each group normalized on its gathered batch (jnp)."""
-  per_replica = x.reshape(*MESH_SHAPE, -1, *x.shape[1:]).astype(jnp.float32)
-  tx, ty = tile
-  total = 0.0
-  for gx in range(MESH_SHAPE[0] // tx):
-    for gy in range(MESH_SHAPE[1] // ty):
-      group = per_replica[gx * tx : (gx + 1) * tx, gy * ty : (gy + 1) * ty]
-      mean = jnp.mean(group, axis=(0, 1, 2, 3, 4))
-      var = jnp.mean((group - mean) ** 2, axis=(0, 1, 2, 3, 4))
-      y = (group - mean) * jax.lax.rsqrt(var + 1e-5) * scale + bias
-      y = jnp.maximum(y, 0) if relu else y
-      total += _loss(y.astype(x.dtype), weights)
-  return total
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize(
-  "group_size,tile,relu", [(2, (1, 2), True), (4, (1, 4), False), ((2, 2), (2, 2), True)]
-)
-def test_intermediate_groups_match_gathered_reference(dtype, group_size, tile, relu):
-  x, weights, scale, bias = _inputs(dtype, offset=3.0)
-
-  def body(x, scale, bias):
-    def loss(x, scale, bias):
-      y, _, _ = batch_norm(
-        x, scale, bias, axis_name=AXES, group_size=group_size, relu=relu, implementation="xla"
-      )
-      return _loss(y, weights)
-
-    return jax.grad(loss, (0, 1, 2))(x, scale, bias)
-
-  got = jax.jit(
-    jax.shard_map(body, mesh=_mesh(), in_specs=(P(AXES), P(), P()), out_specs=(P(AXES), P(), P()))
-  )(x, scale, bias)
-  want = jax.grad(_reference_total_loss, (0, 2, 3))(x, weights, scale, bias, tile, relu)
-  count = x.size // C // REPLICAS * math.prod(tile)
-  for a, b in zip(got, want):
-    _assert_close(a, b, dtype, count)
-
-
-def _group_reference(x, tile):
-  """Per replica (row-major over the mesh): its group's mean and variance in float64, and
-  its normalized rows (scale 1, bias 0) rounded once to ``x.dtype``."""
-  per_replica = np.asarray(x, np.float64).reshape(*MESH_SHAPE, -1, C)
-  tx, ty = tile
-  means, variances, ys = (np.empty(MESH_SHAPE + s) for s in [(C,), (C,), per_replica.shape[2:]])
-  for i in range(MESH_SHAPE[0]):
-    for j in range(MESH_SHAPE[1]):
-      gi, gj = i // tx * tx, j // ty * ty
-      group = per_replica[gi : gi + tx, gj : gj + ty].reshape(-1, C)
-      means[i, j], variances[i, j] = group.mean(0), group.var(0)
-      ys[i, j] = (per_replica[i, j] - means[i, j]) / np.sqrt(variances[i, j] + 1e-5)
-  y = np.asarray(jnp.asarray(ys.reshape(x.shape), jnp.float32).astype(x.dtype), np.float64)
-  return means.reshape(REPLICAS, C), variances.reshape(REPLICAS, C), y
-
-
-@pytest.mark.parametrize(
-  "implementation", ["xla", pytest.param("pallas", marks=pytest.mark.interpret)]
-)
-@pytest.mark.parametrize(
-  "group_size,tile", [(None, MESH_SHAPE), (2, (1, 2)), ((2, 2), (2, 2)), (1, (1, 1))]
-)
-def test_bfloat16_statistics_and_outputs_match_float64(implementation, group_size, tile):
-  """bfloat16 activations (mean 3, spread 2), statistics in float32: against float64 on the
-  same bfloat16 values, tight enough to catch a 0.4 % variance error.
-
-  * mean and var: float32 sums over at most 256 rows per channel round by about
-    sqrt(R) * u = 1e-6 relative (u = 2**-24; the group's M2 adds non-negative terms, no
-    cancellation): rtol 2e-5, 200 times below 4e-3.
-  * y in bfloat16: rounding the float64 result gives it within float32 error, so each
-    element is the correctly rounded value or (when the exact value lies within that error
-    of a rounding boundary) one ulp off, which is rare (none of these 4096 elements). A
-    0.4 % variance error moves y by 0.2 %, half a bfloat16 ulp (2**-8 relative):
-    about half the elements would round the other way, so at most 1 % may differ.
-  """
-  x, _, _, _ = _inputs(jnp.bfloat16, offset=3.0, seed=5)
-  ones, zeros = jnp.ones(C), jnp.zeros(C)
-
-  def body(x):
-    y, mean, var = batch_norm(
-      x, ones, zeros, axis_name=AXES, group_size=group_size, implementation=implementation
-    )
-    return y, mean[None], var[None]
-
-  f = jax.shard_map(body, mesh=_mesh(), in_specs=P(AXES), out_specs=P(AXES))
-  if implementation == "pallas":
-    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
-      y, mean, var = jax.block_until_ready(jax.jit(f)(x))
-  else:
-    y, mean, var = jax.jit(f)(x)
-  want_mean, want_var, want_y = _group_reference(x, tile)
-  assert y.dtype == jnp.bfloat16 and mean.dtype == var.dtype == jnp.float32
-  np.testing.assert_allclose(np.asarray(mean), want_mean, rtol=2e-5)
-  np.testing.assert_allclose(np.asarray(var), want_var, rtol=2e-5)
-  y = np.asarray(y, np.float64)
-  ulp = np.spacing(np.abs(want_y).astype(np.float32)) * 2.0**16  # bfloat16's: 2**16 float32 ulps
-  assert np.all(np.abs(y - want_y) <= ulp)
-  assert np.mean(y != want_y) <= 0.01, f"{np.mean(y != want_y):.3%} of y differ"
-
-
-def test_group_statistics_are_identical_within_a_tile():
-  """Group 2 = (1, 2): replicas (i, 2k) and (i, 2k + 1) share mean and var bit for bit."""
-  x, _, scale, bias = _inputs(jnp.float32, offset=100.0)
-  f = jax.shard_map(
-    lambda x: tuple(
-      s[None]
-      for s in batch_norm(x, scale, bias, axis_name=AXES, group_size=2, implementation="xla")[1:]
-    ),
-    mesh=_mesh(),
-    in_specs=P(AXES),
-    out_specs=(P(AXES), P(AXES)),
-  )
-  for stat in jax.jit(f)(x):
-    stat = np.asarray(stat).reshape(MESH_SHAPE[0], MESH_SHAPE[1] // 2, 2, C)
-    np.testing.assert_array_equal(stat[:, :, 0], stat[:, :, 1])
-    assert not np.array_equal(stat[:, 0, 0], stat[:, 1, 0])
 
 
 def test_large_mean_bfloat16_statistics_are_exact():
@@ -292,14 +143,6 @@ def test_core_package_does_not_import_flax():
   subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize(
-  "group_size,tile",
-  [(None, (2, 4)), (1, (1, 1)), (2, (1, 2)), (4, (1, 4)), (8, (2, 4)), ((2, 2), (2, 2))],
-)
-def test_resolve_tile_fills_the_last_axis_first(group_size, tile):
-  assert groups.resolve_tile(group_size, MESH_SHAPE) == tile
-
-
 # ---------------------------------------------------------------------- bad input
 
 
@@ -307,7 +150,7 @@ def _call_in_shard_map(**kwargs):
   x = jnp.ones((REPLICAS, 2, C))
   f = jax.shard_map(
     lambda x: batch_norm(x, jnp.ones(C), jnp.zeros(C), **kwargs)[0],
-    mesh=_mesh(),
+    mesh=harness.mesh(MESH_SHAPE),
     in_specs=P(AXES),
     out_specs=P(AXES),
   )
@@ -376,7 +219,8 @@ def _forward_in_shard_map(module, x, mask=None):
     return y, jax.tree.map(lambda s: s[None], state["batch_stats"])
 
   rep = P(AXES)
-  f = jax.shard_map(body, mesh=_mesh(), in_specs=(rep, rep), out_specs=(rep, rep), check_vma=False)
+  mesh = harness.mesh(MESH_SHAPE)
+  f = jax.shard_map(body, mesh=mesh, in_specs=(rep, rep), out_specs=(rep, rep), check_vma=False)
   return jax.jit(f)(x, jnp.ones(x.shape, bool) if mask is None else mask)
 
 
