@@ -12,16 +12,16 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_as_script(path: str, devices: int, marker: str, timeout: int = 600) -> None:
-  """Runs ``path`` from the repository root with ``devices`` CPU devices; asserts that it
-  exits 0 and printed ``marker``."""
+def run_as_script(path: str, devices: int, marker: str, timeout: int = 600, args=()) -> None:
+  """Runs ``path`` (with command-line ``args``) from the repository root with ``devices``
+  CPU devices; asserts that it exits 0 and printed ``marker``."""
   env = dict(
     os.environ,
     JAX_PLATFORMS="cpu",
     XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
   )
   result = subprocess.run(
-    [sys.executable, os.path.abspath(path)],
+    [sys.executable, os.path.abspath(path), *args],
     env=env,
     cwd=ROOT,
     capture_output=True,

@@ -15,8 +15,9 @@ module in a subprocess with 16 devices).
   no race allowed at the end, and the interpreter's global state reset if anything fails,
   so that one failure does not leak into the next test.
 * For the conformance bases: ``implementation_cases`` (a test's parametrization over the
-  registered implementations, with the depth of those that run Pallas kernels) and ``run``
-  (interpret mode where the implementation needs it).
+  registered implementations, with the depth of those that run Pallas kernels), ``run``
+  (interpret mode where the implementation needs it) and ``group_result`` (the cases of a
+  group compiled as one program).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -133,6 +135,29 @@ def run(impl: str | None, fn, dma: str | None = None):
     with interpret_mode(dma or "on_wait"):
       return jax.block_until_ready(fn())
   return jax.block_until_ready(fn())
+
+
+_GROUPS: dict = {}
+
+
+def group_result(key, case, run_all, run_one):
+  """The result of ``case``, taken from one program that runs every case of the group
+  ``key`` (``run_all()`` returns {case: result}; it runs once per process, for the first
+  test of the group that asks): compiling dominates these tests, and one program of n
+  collectives compiles in a fraction of the time of n programs of one. If that program
+  fails, each case runs alone (``run_one(case)``), so a failing case fails only its own
+  test; the failure is reported as a warning."""
+  if key not in _GROUPS:
+    try:
+      _GROUPS[key] = run_all()
+    except Exception as error:  # noqa: BLE001 (each case then runs, and fails, alone)
+      message = f"group {key} failed as one program; its cases run alone: {error!r}"
+      warnings.warn(message, stacklevel=2)
+      _GROUPS[key] = error
+  results = _GROUPS[key]
+  if isinstance(results, Exception) or case not in results:
+    return run_one(case)
+  return results[case]
 
 
 def _case_id(value) -> str:

@@ -15,8 +15,8 @@ def _run(fn, local_shape=(8, 3), dtype=jnp.float32):
   return per_device(fn, mesh, jnp.zeros((8,) + local_shape, dtype))
 
 
-# "auto" and "xla" raise what lax raises (tests/test_lax_parity.py); these are the torus
-# implementations' own checks.
+# "auto" and "xla" raise what lax raises (tests/test_conformance_collectives.py); these are
+# the torus implementations' own checks.
 TORUS = "shard_map"
 
 
