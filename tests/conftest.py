@@ -8,6 +8,13 @@ meshes by shape, per-device inputs, and the one TPU interpret-mode context. Here
 fixtures: ``mesh``, ``small_integers``, ``random_floats`` and ``interpret`` (TPU interpret mode
 for the test's body, in both DMA execution modes unless a test parametrizes it
 indirectly).
+
+Stand-in backends: with ``TORUS_COLLECTIVES_STAND_INS="new=existing,..."`` set, each
+``new`` is registered before collection as a copy of the ``existing`` backend's record
+under its new name, so that the conformance bases parametrize over it; with
+``TORUS_COLLECTIVES_COLLECTED=path`` set, every collected test's node id and implementation
+(before ``-k`` deselects any) is written to ``path`` as JSON
+(``test_conformance_registry`` runs the bases so).
 """
 
 import os
@@ -22,12 +29,46 @@ os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
+import dataclasses  # noqa: E402
+import json  # noqa: E402
 
 import harness
 import jax
 import pytest
 
 NUM_DEVICES = 8
+
+
+def stand_ins() -> dict[str, str]:
+  """{stand-in name: the registered backend it copies}, from the environment."""
+  pairs = [p for p in os.environ.get(harness.STAND_INS_ENV_VAR, "").split(",") if p.strip()]
+  return dict(tuple(s.strip() for s in p.split("=", 1)) for p in pairs)
+
+
+def pytest_configure(config):
+  """Registers the stand-in backends before any test module is collected."""
+  from torus_collectives import registry
+
+  for name, original in stand_ins().items():
+    if name not in registry.BACKENDS:
+      registry.register(dataclasses.replace(registry.BACKENDS[original], name=name))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+  """Writes every collected test and its implementation where the environment asks."""
+  path = os.environ.get(harness.COLLECTED_ENV_VAR)
+  if path:
+    collected = [
+      {
+        "id": item.nodeid,
+        "impl": item.callspec.params.get("impl") if hasattr(item, "callspec") else None,
+        "slow": item.get_closest_marker("slow") is not None,
+      }
+      for item in items
+    ]
+    with open(path, "w") as f:
+      json.dump(collected, f)
 
 
 @pytest.fixture(scope="session", autouse=True)

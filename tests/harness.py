@@ -37,6 +37,10 @@ AXIS_NAMES = ("x", "y", "z")
 # The torus ranks every conformance base runs: a ring, a 2-D and a 3-D torus of 8 devices.
 RANKS = {"1d": (8,), "2d": (2, 4), "3d": (2, 2, 2)}
 DMA_MODES = ("eager", "on_wait")
+# Read by conftest.py: stand-in backends to register before collection ("new=existing,..."),
+# and a file to write every collected test's node id and implementation to.
+STAND_INS_ENV_VAR = "TORUS_COLLECTIVES_STAND_INS"
+COLLECTED_ENV_VAR = "TORUS_COLLECTIVES_COLLECTED"
 
 
 def mesh(shape, names=None, *, axis_types=AxisType.Auto, devices=None) -> Mesh:
