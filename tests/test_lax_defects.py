@@ -16,6 +16,7 @@ Both run for every implementation registered at collection time ("auto" and
 
 import functools
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,9 +60,7 @@ VMAPPED = {
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_vmap_of_shard_map_on_an_explicit_mesh_equals_lax(implementation, op):
   ours_fn, lax_fn = VMAPPED[op]
-  mesh = jax.make_mesh(
-    (2, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:4]
-  )
+  mesh = harness.mesh((2, 2), axis_types=AxisType.Explicit)
 
   def outputs(collective):
     @functools.partial(
