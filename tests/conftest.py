@@ -29,8 +29,8 @@ os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
-import dataclasses  # noqa: E402
-import json  # noqa: E402
+import dataclasses
+import json
 
 import harness
 import jax

@@ -157,17 +157,23 @@ def refusal(
       return ValueError, f"dtype {dtype.name} is not supported by {family} {name}"
   if backend.max_torus_axes is not None and mesh_axes > backend.max_torus_axes:
     return NotImplementedError, f"at most {backend.max_torus_axes} mesh axes.*auto"
-  if groups is not None and backend.replica_groups != "any":
-    if backend.replica_groups == "none":
-      return ValueError, 'axis_index_groups not at all.*aligned tiles.*implementation="auto"'
-    if groups == "other":
-      return ValueError, 'only when they are aligned tiles.*implementation="auto"'
+  if groups is not None and (found := groups_refusal(backend, groups)) is not None:
+    return found
   if op == "all_gather" and backend.gather_to is not None and to not in backend.gather_to:
     return ValueError, f"to={to!r}.*auto"
   if unreduced and not backend.unreduced_inputs:
     return ValueError, "unreduced or reduced inputs.*auto"
   if partial_manual and not backend.partial_manual:
     return ValueError, "needs every mesh axis manual"
+  return None
+
+
+def groups_refusal(backend, groups: str):
+  """The refusal ``backend``'s record documents for replica groups ("tile" or "other")."""
+  if backend.replica_groups == "none":
+    return ValueError, 'axis_index_groups not at all.*aligned tiles.*implementation="auto"'
+  if backend.replica_groups == "tiles" and groups == "other":
+    return ValueError, 'only when they are aligned tiles.*implementation="auto"'
   return None
 
 
