@@ -49,7 +49,7 @@ def bus_factor(collective: str, n: int) -> float:
 
 
 CASES = [
-  pytest.param(c, m, s, id=f"{c}-{m[0]}x{m[1]}-{size_label(s, sep="")}")
+  pytest.param(c, m, s, id=f"{c}-{m[0]}x{m[1]}-{size_label(s, sep='')}")
   for c, m, s in itertools.product(COLLECTIVES, MESHES, SIZES)
 ]
 
@@ -73,7 +73,7 @@ def test_collective(benchmark, interleaved, collective, mesh_shape, nbytes):
     )
     calls[implementation] = lambda fn=fn: fn(x)
 
-  benchmark.group = f"{collective} {mesh_shape[0]}x{mesh_shape[1]} {size_label(nbytes, sep="")}"
+  benchmark.group = f"{collective} {mesh_shape[0]}x{mesh_shape[1]} {size_label(nbytes, sep='')}"
   runs = interleaved(calls, baseline="xla")
 
   expected = {"all_reduce": elements, "reduce_scatter": elements // n, "all_gather": elements}[

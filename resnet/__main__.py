@@ -17,20 +17,20 @@ from ml_collections import config_flags
 
 from resnet import validation
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, logs and plots go here.')
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, logs and plots go here.")
 _COORDINATOR = flags.DEFINE_string(
-  'coordinator_address',
-  os.environ.get('JAX_COORDINATOR_ADDRESS'),
-  'host:port of process 0, for multi-process runs.',
+  "coordinator_address",
+  os.environ.get("JAX_COORDINATOR_ADDRESS"),
+  "host:port of process 0, for multi-process runs.",
 )
 _NUM_PROCESSES = flags.DEFINE_integer(
-  'num_processes', int(os.environ.get('JAX_NUM_PROCESSES', 1)), 'Number of processes.'
+  "num_processes", int(os.environ.get("JAX_NUM_PROCESSES", 1)), "Number of processes."
 )
 _PROCESS_ID = flags.DEFINE_integer(
-  'process_id', int(os.environ.get('JAX_PROCESS_ID', 0)), 'This process, 0-based.'
+  "process_id", int(os.environ.get("JAX_PROCESS_ID", 0)), "This process, 0-based."
 )
-flags.mark_flags_as_required(['config', 'workdir'])
+flags.mark_flags_as_required(["config", "workdir"])
 
 
 def _validate(config, **devices) -> None:
@@ -44,16 +44,16 @@ def _validate(config, **devices) -> None:
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   config = _CONFIG.value
   _validate(config)
-  if not flags.FLAGS['verbosity'].present:  # orbax logs every save at INFO
+  if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
     logging.set_verbosity(logging.WARNING)
-  on_cpu = os.environ.get('JAX_PLATFORMS', '') == 'cpu'
+  on_cpu = os.environ.get("JAX_PLATFORMS", "") == "cpu"
   if on_cpu and config.simulated_cpu_devices:
-    os.environ['XLA_FLAGS'] = (
-      os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform'
-      f'_device_count={config.simulated_cpu_devices}'
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform"
+      f"_device_count={config.simulated_cpu_devices}"
     ).strip()
   if config.xla_overlap_settings:  # libtpu reads its flags once, when jax starts it
     from torus_collectives import xla_settings
@@ -63,7 +63,7 @@ def main(argv):
 
   if _NUM_PROCESSES.value > 1:
     if on_cpu:
-      jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
       coordinator_address=_COORDINATOR.value,
       num_processes=_NUM_PROCESSES.value,
@@ -76,5 +76,5 @@ def main(argv):
   train.train_and_evaluate(config, _WORKDIR.value)
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
   app.run(main)

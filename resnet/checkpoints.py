@@ -26,24 +26,24 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
-DIGESTS = 'digests.json'
+DIGESTS = "digests.json"
 KEEP = 2
 
 
 def file_digests(step_dir: pathlib.Path) -> dict[str, list]:
   """``{relative path: [size, sha256 hex]}`` of every file under ``step_dir``."""
   digests = {}
-  for path in sorted(p for p in step_dir.rglob('*') if p.is_file() and p.name != DIGESTS):
-    with path.open('rb') as f:
+  for path in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != DIGESTS):
+    with path.open("rb") as f:
       digests[str(path.relative_to(step_dir))] = [
         path.stat().st_size,
-        hashlib.file_digest(f, 'sha256').hexdigest(),
+        hashlib.file_digest(f, "sha256").hexdigest(),
       ]
   return digests
 
 
 def record_digests(step_dir: pathlib.Path) -> None:
-  tmp = step_dir / f'{DIGESTS}.tmp'
+  tmp = step_dir / f"{DIGESTS}.tmp"
   tmp.write_text(json.dumps(file_digests(step_dir)))
   tmp.rename(step_dir / DIGESTS)
 
@@ -53,17 +53,17 @@ def verification_problem(step_dir: pathlib.Path) -> str | None:
   try:
     recorded = json.loads((step_dir / DIGESTS).read_text())
   except FileNotFoundError:
-    return f'no {DIGESTS} (the run ended before the save was recorded)'
+    return f"no {DIGESTS} (the run ended before the save was recorded)"
   except (OSError, ValueError) as e:
-    return f'unreadable {DIGESTS} ({e})'
+    return f"unreadable {DIGESTS} ({e})"
   actual = file_digests(step_dir)
   for name, (size, digest) in recorded.items():
     if name not in actual:
-      return f'{name} is missing'
+      return f"{name} is missing"
     if actual[name][0] != size:
-      return f'{name} has {actual[name][0]} bytes, {size} were written'
+      return f"{name} has {actual[name][0]} bytes, {size} were written"
     if actual[name][1] != digest:
-      return f'{name} does not match its SHA-256 ({size} bytes)'
+      return f"{name} does not match its SHA-256 ({size} bytes)"
   return None
 
 
@@ -76,8 +76,8 @@ class VerifiedCheckpoints:
   """
 
   def __init__(self, workdir: pathlib.Path):
-    self.directory = workdir / 'checkpoints'
-    self._rejected_dir = workdir / 'rejected_checkpoints'
+    self.directory = workdir / "checkpoints"
+    self._rejected_dir = workdir / "rejected_checkpoints"
     self._manager = ocp.CheckpointManager(
       self.directory,
       options=ocp.CheckpointManagerOptions(max_to_keep=KEEP, enable_async_checkpointing=False),
@@ -87,8 +87,8 @@ class VerifiedCheckpoints:
   def describe_latest(self) -> str:
     """Where a rerun resumes, for messages."""
     if self.latest is None:
-      return 'step 0 (no checkpoint saved or verified in this run)'
-    return f'step {self.latest} in {self.directory}'
+      return "step 0 (no checkpoint saved or verified in this run)"
+    return f"step {self.latest} in {self.directory}"
 
   def save(self, step: int, state: Any) -> None:
     self._manager.save(step, args=ocp.args.StandardSave(state))
@@ -107,12 +107,12 @@ class VerifiedCheckpoints:
         try:
           state = self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
         except Exception as e:  # noqa: BLE001  # any failure to load makes it unusable
-          problem = f'failed to load: {type(e).__name__}: {e}'
+          problem = f"failed to load: {type(e).__name__}: {e}"
       if problem is None:
         self.latest = step
         break
       logging.error(
-        'Checkpoint step %d at %s is unusable: %s. Skipping it.', step, step_dir, problem
+        "Checkpoint step %d at %s is unusable: %s. Skipping it.", step, step_dir, problem
       )
       rejected.append(step)
     if jax.process_count() > 1:
@@ -121,8 +121,8 @@ class VerifiedCheckpoints:
       )
       if len(set(chosen.tolist())) > 1:
         raise RuntimeError(
-          f'Processes chose different checkpoints to resume from ({chosen.tolist()} by process): '
-          f'they do not see the same files in {self.directory}.'
+          f"Processes chose different checkpoints to resume from ({chosen.tolist()} by process): "
+          f"they do not see the same files in {self.directory}."
         )
     if rejected:
       self._reject(rejected)
@@ -133,13 +133,13 @@ class VerifiedCheckpoints:
     can save those step numbers again."""
     if jax.process_index() == 0:
       self._rejected_dir.mkdir(exist_ok=True)
-      stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S-%f')
+      stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
       for step in steps:
-        target = self._rejected_dir / f'{step}-{stamp}'
+        target = self._rejected_dir / f"{step}-{stamp}"
         (self.directory / str(step)).rename(target)
-        logging.error('Moved the unusable checkpoint step %d to %s.', step, target)
+        logging.error("Moved the unusable checkpoint step %d to %s.", step, target)
     if jax.process_count() > 1:
-      multihost_utils.sync_global_devices('resnet: unusable checkpoints moved')
+      multihost_utils.sync_global_devices("resnet: unusable checkpoints moved")
     self._manager.reload()
 
   def close(self) -> None:

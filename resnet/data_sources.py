@@ -26,7 +26,7 @@ import pathlib
 import numpy as np
 import tensorflow as tf
 
-IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png')
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 DIGITS_IMAGE_SIZE = 32
 DIGITS_HELD_OUT_FRACTION = 0.2
 
@@ -56,15 +56,15 @@ def write_digits(root: pathlib.Path) -> None:
   images = digits.images.astype(np.float32) * (255.0 / 16.0)  # 0..16 -> 0..255
   order = np.random.default_rng(0).permutation(len(images))
   num_test = int(len(images) * DIGITS_HELD_OUT_FRACTION)
-  splits = {'test': order[:num_test], 'train': order[num_test:]}
-  tmp = root.with_name(f'{root.name}.tmp{os.getpid()}')
+  splits = {"test": order[:num_test], "train": order[num_test:]}
+  tmp = root.with_name(f"{root.name}.tmp{os.getpid()}")
   for split, indices in splits.items():
     for i in indices:
-      image = tf.image.resize(images[i][..., None], (DIGITS_IMAGE_SIZE,) * 2, method='bicubic')
+      image = tf.image.resize(images[i][..., None], (DIGITS_IMAGE_SIZE,) * 2, method="bicubic")
       image = tf.image.grayscale_to_rgb(
         tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8)
       )
-      path = tmp / split / str(digits.target[i]) / f'{i:04d}.jpg'
+      path = tmp / split / str(digits.target[i]) / f"{i:04d}.jpg"
       path.parent.mkdir(parents=True, exist_ok=True)
       path.write_bytes(tf.io.encode_jpeg(image, quality=95).numpy())
   try:
@@ -87,8 +87,8 @@ def folder_split(
   split_dir = pathlib.Path(root) / split
   if not split_dir.is_dir():
     raise FileNotFoundError(
-      f'No {split!r} split at {split_dir}: put the images in '
-      f'{split_dir}/<class name>/<image>.jpg (or .png), one folder per class.'
+      f"No {split!r} split at {split_dir}: put the images in "
+      f"{split_dir}/<class name>/<image>.jpg (or .png), one folder per class."
     )
   classes = sorted(p.name for p in split_dir.iterdir() if p.is_dir())
   paths, labels = [], []
@@ -97,18 +97,18 @@ def folder_split(
     paths += [str(p) for p in files]
     labels += [label] * len(files)
   if not paths:
-    raise FileNotFoundError(f'No JPEG or PNG images under {split_dir}/<class name>/.')
+    raise FileNotFoundError(f"No JPEG or PNG images under {split_dir}/<class name>/.")
   # One fixed permutation, identical on every process, mixes the classes before sharding.
   ids = np.random.default_rng(seed).permutation(len(paths))
   mine = ids[(np.arange(len(ids)) // block) % process_count == process_index]
   dataset = tf.data.Dataset.from_tensor_slices(
     {
-      'path': np.asarray(paths)[mine],
-      'label': np.asarray(labels, np.int32)[mine],
-      'id': mine.astype(np.int64),
+      "path": np.asarray(paths)[mine],
+      "label": np.asarray(labels, np.int32)[mine],
+      "id": mine.astype(np.int64),
     }
   ).map(
-    lambda r: {'image': tf.io.read_file(r['path']), 'label': r['label'], 'id': r['id']},
+    lambda r: {"image": tf.io.read_file(r["path"]), "label": r["label"], "id": r["id"]},
     num_parallel_calls=tf.data.AUTOTUNE,
     deterministic=True,
   )
@@ -121,14 +121,14 @@ def imagenet_split(
   """This process's even share of tfds ``imagenet2012``, images left encoded."""
   import tensorflow_datasets as tfds
 
-  builder = tfds.builder('imagenet2012', data_dir=data_dir or None)
+  builder = tfds.builder("imagenet2012", data_dir=data_dir or None)
   try:
     builder.download_and_prepare()
   except AssertionError as e:  # tfds signals a missing manual download this way
     raise FileNotFoundError(
-      'ImageNet needs a manual download: put ILSVRC2012_img_train.tar and '
-      f'ILSVRC2012_img_val.tar in {builder.data_dir_root}/downloads/manual/ '
-      'and rerun; tfds then prepares it once.'
+      "ImageNet needs a manual download: put ILSVRC2012_img_train.tar and "
+      f"ILSVRC2012_img_val.tar in {builder.data_dir_root}/downloads/manual/ "
+      "and rerun; tfds then prepares it once."
     ) from e
   shard = tfds.even_splits(split, n=process_count)[process_index]
   read_config = tfds.ReadConfig(
@@ -136,25 +136,25 @@ def imagenet_split(
   )
   dataset = builder.as_dataset(
     split=shard,
-    decoders={'image': tfds.decode.SkipDecoding()},
+    decoders={"image": tfds.decode.SkipDecoding()},
     read_config=read_config,
     shuffle_files=False,
   )
   dataset = dataset.map(
     lambda r: {
-      'image': r['image'],
-      'label': tf.cast(r['label'], tf.int32),
-      'id': tf.strings.to_hash_bucket_fast(r['file_name'], 2**62),
+      "image": r["image"],
+      "label": tf.cast(r["label"], tf.int32),
+      "id": tf.strings.to_hash_bucket_fast(r["file_name"], 2**62),
     }
   )
-  whole = builder.as_dataset(split=split, decoders={'image': tfds.decode.SkipDecoding()})
+  whole = builder.as_dataset(split=split, decoders={"image": tfds.decode.SkipDecoding()})
   num_examples, total = int(dataset.cardinality()), int(whole.cardinality())
   if min(num_examples, total) < 0:
     raise ValueError(
-      f'tfds reports no example count for imagenet2012 {split=}; '
-      'regenerate it with tfds build imagenet2012.'
+      f"tfds reports no example count for imagenet2012 {split=}; "
+      "regenerate it with tfds build imagenet2012."
     )
-  return Split(dataset, num_examples, total, builder.info.features['label'].num_classes)
+  return Split(dataset, num_examples, total, builder.info.features["label"].num_classes)
 
 
 def get_split(
@@ -167,17 +167,17 @@ def get_split(
   block: int,
 ) -> Split:
   """Dispatches on the dataset name: 'digits', 'imagenet2012' or 'folder:<path>'."""
-  if name == 'digits':
-    root = pathlib.Path(data_dir) / 'digits'
+  if name == "digits":
+    root = pathlib.Path(data_dir) / "digits"
     write_digits(root)
     return folder_split(
       root, split, process_index=process_index, process_count=process_count, block=block
     )
-  if name == 'imagenet2012':
+  if name == "imagenet2012":
     return imagenet_split(data_dir, split, process_index=process_index, process_count=process_count)
-  if name.startswith('folder:'):
+  if name.startswith("folder:"):
     return folder_split(
-      name.removeprefix('folder:'),
+      name.removeprefix("folder:"),
       split,
       process_index=process_index,
       process_count=process_count,

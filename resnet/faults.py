@@ -35,11 +35,11 @@ from absl import logging
 
 from torus_collectives import _jax_internals as jax_internals
 
-_KEY = 'resnet/liveness'
+_KEY = "resnet/liveness"
 
 
 def _fail(message: str) -> None:
-  logging.error('%s', message)
+  logging.error("%s", message)
   logging.flush()
   os._exit(1)
 
@@ -67,8 +67,8 @@ class StopRequest:
       return
     self.code = signum
     logging.warning(
-      '%s received: all processes will save the same step and exit (within %.0f s). Send '
-      'it again to exit at once without saving.',
+      "%s received: all processes will save the same step and exit (within %.0f s). Send "
+      "it again to exit at once without saving.",
       name,
       self._timeout,
     )
@@ -78,9 +78,9 @@ class StopRequest:
 
   def _expire(self, name: str) -> None:
     _fail(
-      f'{name} was received {self._timeout:.0f} s ago and the stop is not saved yet (a peer '
-      f'may be hung, or saving is stalled). Exiting without saving; a rerun of the same '
-      f'command resumes from {self._describe_resume()}.'
+      f"{name} was received {self._timeout:.0f} s ago and the stop is not saved yet (a peer "
+      f"may be hung, or saving is stalled). Exiting without saving; a rerun of the same "
+      f"command resumes from {self._describe_resume()}."
     )
 
   def device_flags(self, sharding: jax.sharding.NamedSharding) -> jax.Array:
@@ -117,18 +117,18 @@ class PeerWatchdog:
     if jax.process_count() > 1:
       # jax has no public accessor for the coordination service client.
       self._client = jax_internals.coordination_client()
-      self._thread = threading.Thread(target=self._run, name='peer-watchdog', daemon=True)
+      self._thread = threading.Thread(target=self._run, name="peer-watchdog", daemon=True)
       self._thread.start()
 
   def _counter(self, process: int) -> int | None:
     try:
-      return int(self._client.key_value_try_get(f'{_KEY}/beat/{process}'))
+      return int(self._client.key_value_try_get(f"{_KEY}/beat/{process}"))
     except Exception:  # noqa: BLE001  # NOT_FOUND before the peer's first beat
       return None
 
   def _finished(self, process: int) -> bool:
     try:
-      return self._client.key_value_try_get(f'{_KEY}/finished/{process}') == '1'
+      return self._client.key_value_try_get(f"{_KEY}/finished/{process}") == "1"
     except Exception:  # noqa: BLE001  # NOT_FOUND while it runs
       return False
 
@@ -140,14 +140,14 @@ class PeerWatchdog:
     while not self._stopped.wait(1.0):
       now = time.monotonic()
       try:
-        self._client.key_value_increment(f'{_KEY}/beat/{me}', 1)
+        self._client.key_value_increment(f"{_KEY}/beat/{me}", 1)
         answered = now
       except Exception:  # noqa: BLE001  # unreachable: only its duration matters
         if now - answered > self._timeout:
           _fail(
-            f'The coordination service on process 0 has not answered for '
-            f'{now - answered:.0f} s. Process {me} exits; restart all processes with the same '
-            f'command; they resume from {self._describe_resume()}.'
+            f"The coordination service on process 0 has not answered for "
+            f"{now - answered:.0f} s. Process {me} exits; restart all processes with the same "
+            f"command; they resume from {self._describe_resume()}."
           )
         continue
       for p in peers:
@@ -156,10 +156,10 @@ class PeerWatchdog:
           seen[p] = (counter, now)
         elif now - seen[p][1] > self._timeout and not self._finished(p):
           _fail(
-            f'Process {p} has not responded for {now - seen[p][1]:.0f} s: it died or hangs '
-            f'(its own log says why). Process {me} exits instead of waiting in a collective '
-            f'forever. Restart all processes with the same command; they resume from '
-            f'{self._describe_resume()}.'
+            f"Process {p} has not responded for {now - seen[p][1]:.0f} s: it died or hangs "
+            f"(its own log says why). Process {me} exits instead of waiting in a collective "
+            f"forever. Restart all processes with the same command; they resume from "
+            f"{self._describe_resume()}."
           )
 
   def close(self, *, finished: bool) -> None:
@@ -167,6 +167,6 @@ class PeerWatchdog:
     if self._thread is None:
       return
     if finished:
-      self._client.key_value_set(f'{_KEY}/finished/{jax.process_index()}', '1')
+      self._client.key_value_set(f"{_KEY}/finished/{jax.process_index()}", "1")
     self._stopped.set()
     self._thread.join()

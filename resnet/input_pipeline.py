@@ -85,7 +85,7 @@ def _centre_window(shape, p: Preprocessing) -> tf.Tensor:
 
 
 def _finish(image: tf.Tensor, p: Preprocessing) -> tf.Tensor:
-  image = tf.image.resize(image, (p.image_size, p.image_size), method='bicubic')
+  image = tf.image.resize(image, (p.image_size, p.image_size), method="bicubic")
   return (image - p.mean_rgb) / p.stddev_rgb
 
 
@@ -128,8 +128,8 @@ def train_dataset(
 
   def decode(position, record):
     epoch = tf.cast(position // per_epoch, tf.int32)
-    key = tf.stack([tf.cast(record['id'] % (2**31 - 1), tf.int32), epoch + seed])
-    return position, {'image': preprocess_train(record['image'], key, p), 'label': record['label']}
+    key = tf.stack([tf.cast(record["id"] % (2**31 - 1), tf.int32), epoch + seed])
+    return position, {"image": preprocess_train(record["image"], key, p), "label": record["label"]}
 
   ds = ds.map(decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   ds = ds.ignore_errors(log_warning=True).enumerate()
@@ -158,18 +158,18 @@ def eval_dataset(
     ds = ds.cache()
   ds = ds.map(
     lambda r: {
-      'image': preprocess_eval(r['image'], p),
-      'label': r['label'],
-      'mask': tf.constant(1, tf.int32),
+      "image": preprocess_eval(r["image"], p),
+      "label": r["label"],
+      "mask": tf.constant(1, tf.int32),
     },
     num_parallel_calls=tf.data.AUTOTUNE,
     deterministic=True,
   ).ignore_errors(log_warning=True)
   padding = tf.data.Dataset.from_tensors(
     {
-      'image': tf.zeros((p.image_size, p.image_size, 3)),
-      'label': tf.constant(0, tf.int32),
-      'mask': tf.constant(0, tf.int32),
+      "image": tf.zeros((p.image_size, p.image_size, 3)),
+      "label": tf.constant(0, tf.int32),
+      "mask": tf.constant(0, tf.int32),
     }
   ).repeat()
   ds = ds.concatenate(padding).take(num_steps * local_batch)
@@ -180,7 +180,7 @@ def device_prefetch(
   batches: Iterator[dict[str, np.ndarray]],
   sharding: jax.sharding.Sharding,
   size: int = 2,
-  host_keys: tuple[str, ...] = ('skipped',),
+  host_keys: tuple[str, ...] = ("skipped",),
 ) -> Iterator[tuple[dict[str, jax.Array], dict[str, np.ndarray]]]:
   """Yields (global device arrays, host-only fields), keeping ``size`` batches in flight.
 

@@ -43,9 +43,9 @@ class BottleneckBlock(nn.Module):
     y = self.norm(scale_init=nn.initializers.zeros)(y)
     if residual.shape != y.shape:
       residual = self.conv(
-        self.filters * 4, (1, 1), (self.strides, self.strides), name='proj_conv'
+        self.filters * 4, (1, 1), (self.strides, self.strides), name="proj_conv"
       )(residual)
-      residual = self.norm(name='proj_bn')(residual)
+      residual = self.norm(name="proj_bn")(residual)
     return nn.relu(residual + y)
 
 
@@ -65,10 +65,10 @@ class BasicBlock(nn.Module):
     y = self.conv(self.filters, (3, 3))(y)
     y = self.norm(scale_init=nn.initializers.zeros)(y)
     if residual.shape != y.shape:
-      residual = self.conv(self.filters, (1, 1), (self.strides, self.strides), name='proj_conv')(
+      residual = self.conv(self.filters, (1, 1), (self.strides, self.strides), name="proj_conv")(
         residual
       )
-      residual = self.norm(name='proj_bn')(residual)
+      residual = self.norm(name="proj_bn")(residual)
     return nn.relu(residual + y)
 
 
@@ -94,7 +94,7 @@ class ResNet(nn.Module):
       nn.Conv,
       use_bias=False,
       dtype=self.dtype,
-      kernel_init=nn.initializers.variance_scaling(2.0, 'fan_out', 'normal'),
+      kernel_init=nn.initializers.variance_scaling(2.0, "fan_out", "normal"),
     )
     norm = functools.partial(
       self.norm,
@@ -106,11 +106,11 @@ class ResNet(nn.Module):
     )
     if self.bn_group_size is not None:  # evaluation normalises with no cross-replica group
       norm = functools.partial(norm, group_size=self.bn_group_size if train else None)
-    x = conv(self.num_filters, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], name='stem_conv')(
+    x = conv(self.num_filters, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], name="stem_conv")(
       x.astype(self.dtype)
     )
-    x = nn.relu(norm(name='stem_bn')(x))
-    x = nn.max_pool(x, (3, 3), strides=(2, 2), padding='SAME')
+    x = nn.relu(norm(name="stem_bn")(x))
+    x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
     for stage, num_blocks in enumerate(self.stage_sizes):
       for block in range(num_blocks):
         strides = 2 if stage > 0 and block == 0 else 1
@@ -121,17 +121,17 @@ class ResNet(nn.Module):
 
 
 ARCHITECTURES = {
-  'resnet18': dict(stage_sizes=(2, 2, 2, 2), block_cls=BasicBlock),
-  'resnet34': dict(stage_sizes=(3, 4, 6, 3), block_cls=BasicBlock),
-  'resnet50': dict(stage_sizes=(3, 4, 6, 3), block_cls=BottleneckBlock),
+  "resnet18": dict(stage_sizes=(2, 2, 2, 2), block_cls=BasicBlock),
+  "resnet34": dict(stage_sizes=(3, 4, 6, 3), block_cls=BasicBlock),
+  "resnet50": dict(stage_sizes=(3, 4, 6, 3), block_cls=BottleneckBlock),
   # Four one-block stages of width 8: every code path of ResNet-50 in a few thousand
   # parameters, for tests.
-  'resnet_tiny': dict(stage_sizes=(1, 1, 1, 1), block_cls=BottleneckBlock, num_filters=8),
+  "resnet_tiny": dict(stage_sizes=(1, 1, 1, 1), block_cls=BottleneckBlock, num_filters=8),
 }
 
 
 def create_model(name: str, **kwargs) -> ResNet:
   """Builds the named architecture; ``kwargs`` are the remaining ResNet fields."""
   if name not in ARCHITECTURES:
-    raise ValueError(f'Unknown model {name=}; choose one of {sorted(ARCHITECTURES)}.')
+    raise ValueError(f"Unknown model {name=}; choose one of {sorted(ARCHITECTURES)}.")
   return ResNet(**ARCHITECTURES[name], **kwargs)

@@ -32,7 +32,7 @@ def learning_rate_schedule(
   """Linear warmup from 0 to the peak, then (1 - t)^power decay to ``end_learning_rate``."""
   if not 0 <= warmup_steps < total_steps:
     raise ValueError(
-      f'Need 0 <= {warmup_steps=} < {total_steps=}; shorten the warmup or train longer.'
+      f"Need 0 <= {warmup_steps=} < {total_steps=}; shorten the warmup or train longer."
     )
   peak = base_learning_rate * global_batch / 256
   return optax.join_schedules(
@@ -46,7 +46,7 @@ def learning_rate_schedule(
 
 def kernel_mask(params) -> dict:
   """True for the leaves LARS and weight decay act on: kernels, not scales or biases."""
-  return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key == 'kernel', params)
+  return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key == "kernel", params)
 
 
 def lars(

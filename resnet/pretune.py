@@ -27,7 +27,7 @@ def batch_norm_shapes(model: nn.Module, variables: Any, image_shape) -> list[tup
 
   def record(next_fun, args, kwargs, context):
     module = context.module
-    if isinstance(module, tc_nn.BatchNorm) and context.method_name == '__call__':
+    if isinstance(module, tc_nn.BatchNorm) and context.method_name == "__call__":
       x = args[0]
       seen.append((tuple(x.shape), jnp.promote_types(x.dtype, module.dtype or x.dtype)))
     return next_fun(*args, **kwargs)
@@ -53,7 +53,7 @@ def tune_model(
   """Tunes ``model``'s gradient summation and batch norms on ``mesh``; logs and returns
   ``{op: implementation}``. ``abstract_state`` has ``params`` and ``batch_stats`` (shapes
   suffice, e.g. ``jax.eval_shape(init, key)``). Keyword arguments go to ``tune_cases``."""
-  variables = {'params': abstract_state.params, 'batch_stats': abstract_state.batch_stats}
+  variables = {"params": abstract_state.params, "batch_stats": abstract_state.batch_stats}
   shapes = batch_norm_shapes(model, variables, (per_replica_batch, image_size, image_size, 3))
   choices = tuner.tune_for(
     abstract_state.params,
@@ -65,5 +65,5 @@ def tune_model(
   )
   if jax.process_index() == 0:
     for op, implementation in choices.items():
-      logging.warning('tuned: %s -> %s', op, implementation)
+      logging.warning("tuned: %s -> %s", op, implementation)
   return choices

@@ -65,7 +65,7 @@ from resnet import (
 )
 from torus_collectives.topology import most_square_shape
 
-MESH_AXIS_NAMES = ('x', 'y', 'z')
+MESH_AXIS_NAMES = ("x", "y", "z")
 
 
 @flax.struct.dataclass
@@ -112,19 +112,19 @@ def _train_step(
 
   def loss_fn(params):
     logits, updates = model.apply(
-      {'params': params, 'batch_stats': state.batch_stats},
-      batch['image'],
+      {"params": params, "batch_stats": state.batch_stats},
+      batch["image"],
       train=True,
-      mutable=['batch_stats'],
+      mutable=["batch_stats"],
     )
-    loss = _cross_entropy(logits, batch['label'], num_classes, label_smoothing).mean()
-    return loss, (logits, updates['batch_stats'])
+    loss = _cross_entropy(logits, batch["label"], num_classes, label_smoothing).mean()
+    return loss, (logits, updates["batch_stats"])
 
   # Differentiate with respect to a per-replica (varying) copy of the replicated parameters:
   # otherwise, under shard_map's varying-axes typing, the transpose of their implicit
   # broadcast already sums the gradient over the mesh, and averaging it again would train
   # on the sum of the replicas' gradients instead of their mean.
-  per_replica = lax.pcast(state.params, axes, to='varying')
+  per_replica = lax.pcast(state.params, axes, to="varying")
   (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(per_replica)
   if average_gradients is None:  # weight-update sharding: tx reduce-scatters them itself
     params, opt_state = tx.apply_gradients(grads, state.opt_state, state.params)
@@ -143,13 +143,13 @@ def _train_step(
     opt_state=opt_state,
   )
   metrics = {
-    'train_loss': lax.pmean(loss, axes),
-    'train_accuracy': lax.pmean(jnp.mean(jnp.argmax(logits, -1) == batch['label']), axes),
-    'grad_norm': grad_norm,
-    'learning_rate': learning_rate_fn(state.step),
+    "train_loss": lax.pmean(loss, axes),
+    "train_accuracy": lax.pmean(jnp.mean(jnp.argmax(logits, -1) == batch["label"]), axes),
+    "grad_norm": grad_norm,
+    "learning_rate": learning_rate_fn(state.step),
   }
-  if 'stop' in batch:  # one more scalar in the step's own collectives: the stop agreement
-    metrics['stop'] = lax.pmax(jnp.max(batch['stop']), axes)
+  if "stop" in batch:  # one more scalar in the step's own collectives: the stop agreement
+    metrics["stop"] = lax.pmax(jnp.max(batch["stop"]), axes)
   return new_state, metrics
 
 
@@ -192,16 +192,16 @@ def make_train_step(
 def _eval_step(state: TrainState, batch, *, model, axes):
   """Counts of top-1 and top-5 hits and of real (unpadded) examples, summed over devices."""
   logits = model.apply(
-    {'params': state.params, 'batch_stats': state.batch_stats}, batch['image'], train=False
+    {"params": state.params, "batch_stats": state.batch_stats}, batch["image"], train=False
   )
   top5 = lax.top_k(logits, 5)[1]
-  hits = top5 == batch['label'][:, None]
-  mask = batch['mask']
+  hits = top5 == batch["label"][:, None]
+  mask = batch["mask"]
   return lax.psum(
     {
-      'top1': jnp.sum(hits[:, 0] * mask),
-      'top5': jnp.sum(hits.any(-1) * mask),
-      'count': jnp.sum(mask),
+      "top1": jnp.sum(hits[:, 0] * mask),
+      "top5": jnp.sum(hits.any(-1) * mask),
+      "count": jnp.sum(mask),
     },
     axes,
   )
@@ -229,16 +229,16 @@ def evaluate(
   """Top-1 and top-5 accuracy of ``state`` over every real example of ``batches``, and
   how many of the split's ``num_examples`` images could not be decoded (the pipeline
   drops those, so they are the ones that never arrived)."""
-  totals = {'top1': 0, 'top5': 0, 'count': 0}
+  totals = {"top1": 0, "top5": 0, "count": 0}
   for batch in batches:
     for k, v in eval_step(state, batch).items():
       totals[k] += int(v)
-  if not totals['count']:
-    raise ValueError(f'None of the {num_examples} evaluation images could be decoded.')
+  if not totals["count"]:
+    raise ValueError(f"None of the {num_examples} evaluation images could be decoded.")
   return {
-    'eval_top1': totals['top1'] / totals['count'],
-    'eval_top5': totals['top5'] / totals['count'],
-    'eval_skipped_images': num_examples - totals['count'],
+    "eval_top1": totals["top1"] / totals["count"],
+    "eval_top5": totals["top5"] / totals["count"],
+    "eval_skipped_images": num_examples - totals["count"],
   }
 
 
@@ -271,9 +271,9 @@ def create_learning_rate_fn(
   warmup_steps = round(config.warmup_epochs * steps_per_epoch)
   if warmup_steps >= total_steps:
     raise ValueError(
-      f'config.warmup_epochs={config.warmup_epochs} is {warmup_steps} steps; it must be '
-      f'shorter than the {total_steps} training steps, i.e. below '
-      f'{total_steps / steps_per_epoch:.3g} epochs at {steps_per_epoch} steps per epoch.'
+      f"config.warmup_epochs={config.warmup_epochs} is {warmup_steps} steps; it must be "
+      f"shorter than the {total_steps} training steps, i.e. below "
+      f"{total_steps / steps_per_epoch:.3g} epochs at {steps_per_epoch} steps per epoch."
     )
   return optim.learning_rate_schedule(
     base_learning_rate=config.base_learning_rate,
@@ -304,10 +304,10 @@ def make_init_fn(
     variables = model.init(key, jnp.zeros((1, image_size, image_size, 3), model.dtype), train=False)
     return TrainState(
       step=jnp.zeros((), jnp.int32),
-      params=variables['params'],
-      batch_stats=variables['batch_stats'],
+      params=variables["params"],
+      batch_stats=variables["batch_stats"],
       opt_state=jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=opt_state_spec)(
-        variables['params']
+        variables["params"]
       ),
     )
 
@@ -333,7 +333,7 @@ def restore_or_create_state(
   state = store.restore_newest_intact(abstract)
   if state is None:
     return jax.device_put(init_fn(key), sharding)
-  logging.warning('Resumed from the verified step %d in %s', int(state.step), store.directory)
+  logging.warning("Resumed from the verified step %d in %s", int(state.step), store.directory)
   return state
 
 
@@ -457,8 +457,8 @@ def _make_schedule(config: ml_collections.ConfigDict, train_examples: int) -> tu
   steps_per_epoch = train_examples // config.global_batch_size
   if not steps_per_epoch:
     raise ValueError(
-      f'config.global_batch_size={config.global_batch_size} must be at most the '
-      f'{train_examples} training examples of {config.dataset!r}.'
+      f"config.global_batch_size={config.global_batch_size} must be at most the "
+      f"{train_examples} training examples of {config.dataset!r}."
     )
   total_steps = (
     config.num_train_steps
@@ -553,7 +553,7 @@ def _build_program(
   state_spec = state_specs(opt_state_spec)
   init_fn = make_init_fn(model, tx, config.image_size, mesh, opt_state_spec)
   # rbg: XLA's RngBitGenerator compiles far faster than threefry for large inits.
-  key = jax.random.key(config.seed, impl='rbg')
+  key = jax.random.key(config.seed, impl="rbg")
   if config.tune:
     pretune.tune_model(
       model,
@@ -648,7 +648,7 @@ class _Reporter:
     self._progress = tqdm.tqdm(
       total=total_steps,
       initial=start_step,
-      unit='step',
+      unit="step",
       disable=jax.process_index() != 0,
       dynamic_ncols=True,
     )
@@ -657,22 +657,22 @@ class _Reporter:
   def count_step(self, host: dict[str, Any]) -> None:
     """Counts a dispatched step and its batch's host-side ``'skipped'`` count."""
     self.throughput.count_step()
-    self.skipped = max(self.skipped, int(host['skipped'].max()))
+    self.skipped = max(self.skipped, int(host["skipped"].max()))
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
     """Writes the step's scalars, moves the bar to ``step``, and warns of newly skipped
     images (the evaluation's count is in ``scalars`` on the steps that evaluate)."""
     self._writer.write(step, scalars)
     self._progress.set_postfix(
-      loss=f"{scalars['train_loss']:.3f}", img_s=f'{self.throughput.rate:.1f}', refresh=False
+      loss=f"{scalars['train_loss']:.3f}", img_s=f"{self.throughput.rate:.1f}", refresh=False
     )
     self._progress.update(step - self._progress.n)
     if self.skipped > self._reported_skipped:
-      logging.warning('Skipped %d unreadable training images so far.', self.skipped)
+      logging.warning("Skipped %d unreadable training images so far.", self.skipped)
       self._reported_skipped = self.skipped
-    if scalars.get('eval_skipped_images', 0) > self._reported_eval_skipped:
-      self._reported_eval_skipped = scalars['eval_skipped_images']
-      logging.warning('Skipped %d unreadable evaluation images.', self._reported_eval_skipped)
+    if scalars.get("eval_skipped_images", 0) > self._reported_eval_skipped:
+      self._reported_eval_skipped = scalars["eval_skipped_images"]
+      logging.warning("Skipped %d unreadable evaluation images.", self._reported_eval_skipped)
 
   def close(self) -> None:
     self._progress.close()
@@ -733,7 +733,7 @@ def _dispatch_step(
   batch, host = next(run.batches)
   stop_flags = run.stop.device_flags(run.data.sharding)
   state, metrics = run.program.train_step(state, dict(batch, stop=stop_flags))
-  agreed_stop = metrics.pop('stop')
+  agreed_stop = metrics.pop("stop")
   agreed_stop.copy_to_host_async()
   run.reporter.count_step(host)
   if first:  # keep compilation out of the throughput
@@ -776,8 +776,8 @@ def _finite_scalars(
   scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
   if not all(map(math.isfinite, scalars.values())):
     raise FloatingPointError(
-      f'Non-finite training metrics at step {step}: {scalars}. Stopped without saving; '
-      f'the newest checkpoint is {store.describe_latest()}.'
+      f"Non-finite training metrics at step {step}: {scalars}. Stopped without saving; "
+      f"the newest checkpoint is {store.describe_latest()}."
     )
   return scalars
 
@@ -787,9 +787,9 @@ def _report_stop(run: _Run, step: int, stop_code: int) -> None:
   run, where it arrived, and that rerunning the command resumes."""
   run.stop.saved()
   logging.warning(
-    'Stopped for %s (received by %s): saved step %d to %s; rerun the same command to resume.',
+    "Stopped for %s (received by %s): saved step %d to %s; rerun the same command to resume.",
     signal.Signals(stop_code).name,
-    'this process' if run.stop.code else 'another process',
+    "this process" if run.stop.code else "another process",
     step,
     run.store.directory,
   )
@@ -807,12 +807,12 @@ def _summarize(
     print(
       f"{run.config.model} on {run.config.dataset}: top-1 {eval_metrics['eval_top1']:.2%}, "
       f"top-5 {eval_metrics['eval_top5']:.2%} after {step} steps; "
-      f'{rate:.1f} images/s; wall time {wall:.0f} s; curves in {plot}'
+      f"{rate:.1f} images/s; wall time {wall:.0f} s; curves in {plot}"
     )
   return {
     **eval_metrics,
-    'images_per_second': rate,
-    'wall_seconds': wall,
-    'step': step,
-    'skipped_images': run.reporter.skipped,
+    "images_per_second": rate,
+    "wall_seconds": wall,
+    "step": step,
+    "skipped_images": run.reporter.skipped,
   }

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import ml_collections
 
-DTYPES = ('float32', 'bfloat16', 'float16')  # compute dtypes of the model
+DTYPES = ("float32", "bfloat16", "float16")  # compute dtypes of the model
 # The most axes of a torus mesh (``torus_collectives.registry.MAX_TORUS_AXES``, not imported
 # here so that validating needs no jax).
 MAX_MESH_AXES = 3
@@ -32,7 +32,7 @@ def _is_real(v) -> bool:
 
 
 def _int_at_least(low: int) -> tuple[Callable, str]:
-  return (lambda v: _is_int(v) and v >= low), f'an integer >= {low}'
+  return (lambda v: _is_int(v) and v >= low), f"an integer >= {low}"
 
 
 def _real_in(low: float, high: float, *, open_low=False, open_high=False) -> tuple[Callable, str]:
@@ -41,12 +41,12 @@ def _real_in(low: float, high: float, *, open_low=False, open_high=False) -> tup
       _is_real(v) and (low < v if open_low else low <= v) and (v < high if open_high else v <= high)
     )
 
-  brackets = ('(' if open_low else '[') + f'{low}, {high}' + (')' if open_high else ']')
-  return ok, f'a finite number in {brackets}'
+  brackets = ("(" if open_low else "[") + f"{low}, {high}" + (")" if open_high else "]")
+  return ok, f"a finite number in {brackets}"
 
 
 def _one_of(choices) -> tuple[Callable, str]:
-  return (lambda v: v in choices), f'one of {", ".join(map(repr, choices))}'
+  return (lambda v: v in choices), f"one of {', '.join(map(repr, choices))}"
 
 
 def _fraction_pair(v) -> bool:
@@ -63,73 +63,73 @@ def _torus_shape(v) -> bool:
   )
 
 
-_BOOL = ((lambda v: isinstance(v, bool)), 'True or False')
-_NONEMPTY_STR = ((lambda v: isinstance(v, str) and v != ''), 'a non-empty string')
+_BOOL = ((lambda v: isinstance(v, bool)), "True or False")
+_NONEMPTY_STR = ((lambda v: isinstance(v, str) and v != ""), "a non-empty string")
 _POSITIVE = _real_in(0, math.inf, open_low=True, open_high=True)
 _NON_NEGATIVE = _real_in(0, math.inf, open_high=True)
 
 # field -> (predicate, description of the valid range)
 RULES = {
-  'simulated_cpu_devices': _int_at_least(0),
-  'mesh_shape': (
+  "simulated_cpu_devices": _int_at_least(0),
+  "mesh_shape": (
     _torus_shape,
-    'empty (the most square 2-D torus) or one, two or three positive integers multiplying to '
-    'the device count',
+    "empty (the most square 2-D torus) or one, two or three positive integers multiplying to "
+    "the device count",
   ),
-  'dataset': (
+  "dataset": (
     lambda v: (
       isinstance(v, str)
-      and (v in ('digits', 'imagenet2012') or (v.startswith('folder:') and len(v) > 7))
+      and (v in ("digits", "imagenet2012") or (v.startswith("folder:") and len(v) > 7))
     ),
     "'digits', 'imagenet2012' or 'folder:<root>'",
   ),
-  'data_dir': ((lambda v: isinstance(v, str)), 'a string (a directory; empty: the default)'),
-  'train_split': _NONEMPTY_STR,
-  'eval_split': _NONEMPTY_STR,
-  'image_size': _int_at_least(1),
-  'crop_area_range': (_fraction_pair, 'a pair (low, high) with 0 < low <= high <= 1'),
-  'random_flip': _BOOL,
-  'eval_crop_fraction': _real_in(0, 1, open_low=True),
-  'cache': _BOOL,
-  'shuffle_buffer': _int_at_least(0),
-  'prefetch_to_device': _int_at_least(1),
-  'model': _NONEMPTY_STR,  # the runtime check names the architectures
-  'dtype': _one_of(DTYPES),
-  'bn_momentum': _real_in(0, 1),
-  'bn_span_examples': _int_at_least(1),
-  'bn_group_size': (
+  "data_dir": ((lambda v: isinstance(v, str)), "a string (a directory; empty: the default)"),
+  "train_split": _NONEMPTY_STR,
+  "eval_split": _NONEMPTY_STR,
+  "image_size": _int_at_least(1),
+  "crop_area_range": (_fraction_pair, "a pair (low, high) with 0 < low <= high <= 1"),
+  "random_flip": _BOOL,
+  "eval_crop_fraction": _real_in(0, 1, open_low=True),
+  "cache": _BOOL,
+  "shuffle_buffer": _int_at_least(0),
+  "prefetch_to_device": _int_at_least(1),
+  "model": _NONEMPTY_STR,  # the runtime check names the architectures
+  "dtype": _one_of(DTYPES),
+  "bn_momentum": _real_in(0, 1),
+  "bn_span_examples": _int_at_least(1),
+  "bn_group_size": (
     lambda v: _is_int(v) and v >= 0,
-    'an integer >= 0 (0: derived from bn_span_examples) dividing the device count',
+    "an integer >= 0 (0: derived from bn_span_examples) dividing the device count",
   ),
-  'global_batch_size': (
+  "global_batch_size": (
     lambda v: _is_int(v) and v >= 1,
-    'a positive multiple of the device count',
+    "a positive multiple of the device count",
   ),
-  'eval_batch_size': (lambda v: _is_int(v) and v >= 1, 'a positive multiple of the device count'),
-  'num_epochs': _POSITIVE,
-  'num_train_steps': (
+  "eval_batch_size": (lambda v: _is_int(v) and v >= 1, "a positive multiple of the device count"),
+  "num_epochs": _POSITIVE,
+  "num_train_steps": (
     _is_int,
-    'an integer: > 0 sets the number of steps, <= 0 uses num_epochs',
+    "an integer: > 0 sets the number of steps, <= 0 uses num_epochs",
   ),
-  'warmup_epochs': _NON_NEGATIVE,
-  'base_learning_rate': _POSITIVE,
-  'end_learning_rate': _NON_NEGATIVE,
-  'lr_decay_power': _NON_NEGATIVE,
-  'weight_decay': _NON_NEGATIVE,
-  'momentum': _real_in(0, 1, open_high=True),
-  'lars_trust_coefficient': _POSITIVE,
-  'lars_eps': _NON_NEGATIVE,
-  'label_smoothing': _real_in(0, 1, open_high=True),
-  'grad_implementation': _NONEMPTY_STR,  # the runtime check names the implementations
-  'tune': _BOOL,
-  'weight_update_sharding': _BOOL,
-  'xla_overlap_settings': _BOOL,
-  'seed': (lambda v: _is_int(v) and 0 <= v < 2**30, 'an integer in [0, 2**30)'),
-  'log_every_steps': _int_at_least(1),
-  'eval_every_epochs': _POSITIVE,
-  'checkpoint_every_steps': _int_at_least(1),
-  'heartbeat_timeout_seconds': _int_at_least(2),
-  'stop_timeout_seconds': _POSITIVE,
+  "warmup_epochs": _NON_NEGATIVE,
+  "base_learning_rate": _POSITIVE,
+  "end_learning_rate": _NON_NEGATIVE,
+  "lr_decay_power": _NON_NEGATIVE,
+  "weight_decay": _NON_NEGATIVE,
+  "momentum": _real_in(0, 1, open_high=True),
+  "lars_trust_coefficient": _POSITIVE,
+  "lars_eps": _NON_NEGATIVE,
+  "label_smoothing": _real_in(0, 1, open_high=True),
+  "grad_implementation": _NONEMPTY_STR,  # the runtime check names the implementations
+  "tune": _BOOL,
+  "weight_update_sharding": _BOOL,
+  "xla_overlap_settings": _BOOL,
+  "seed": (lambda v: _is_int(v) and 0 <= v < 2**30, "an integer in [0, 2**30)"),
+  "log_every_steps": _int_at_least(1),
+  "eval_every_epochs": _POSITIVE,
+  "checkpoint_every_steps": _int_at_least(1),
+  "heartbeat_timeout_seconds": _int_at_least(2),
+  "stop_timeout_seconds": _POSITIVE,
 }
 
 
@@ -140,25 +140,25 @@ def _runtime_problems(config, num_devices: int) -> list[str]:
 
   problems = []
   if config.model not in models.ARCHITECTURES:
-    problems.append(f'config.model={config.model!r} must be one of {sorted(models.ARCHITECTURES)}.')
+    problems.append(f"config.model={config.model!r} must be one of {sorted(models.ARCHITECTURES)}.")
   if config.grad_implementation not in tc.IMPLEMENTATIONS:
     problems.append(
-      f'config.grad_implementation={config.grad_implementation!r} must be one of '
-      f'{list(tc.IMPLEMENTATIONS)}.'
+      f"config.grad_implementation={config.grad_implementation!r} must be one of "
+      f"{list(tc.IMPLEMENTATIONS)}."
     )
-  for name in ('global_batch_size', 'eval_batch_size'):
+  for name in ("global_batch_size", "eval_batch_size"):
     if config[name] % num_devices:
       problems.append(
-        f'config.{name}={config[name]} must be a positive multiple of the {num_devices} devices.'
+        f"config.{name}={config[name]} must be a positive multiple of the {num_devices} devices."
       )
   if config.bn_group_size and num_devices % config.bn_group_size:
     problems.append(
-      f'config.bn_group_size={config.bn_group_size} must be 0 or divide the {num_devices} devices.'
+      f"config.bn_group_size={config.bn_group_size} must be 0 or divide the {num_devices} devices."
     )
   if config.mesh_shape and math.prod(config.mesh_shape) != num_devices:
     problems.append(
-      f'config.mesh_shape={tuple(config.mesh_shape)} must multiply to the {num_devices} '
-      'devices (or be empty).'
+      f"config.mesh_shape={tuple(config.mesh_shape)} must multiply to the {num_devices} "
+      "devices (or be empty)."
     )
   return problems
 
@@ -173,10 +173,10 @@ def validate_config(config: ml_collections.ConfigDict, *, num_devices: int | Non
   problems = []
   for name, (ok, valid) in RULES.items():
     if name not in config:
-      problems.append(f'config.{name} is missing; it must be {valid}.')
+      problems.append(f"config.{name} is missing; it must be {valid}.")
     elif not ok(config[name]):
-      problems.append(f'config.{name}={config[name]!r} is invalid; it must be {valid}.')
+      problems.append(f"config.{name}={config[name]!r} is invalid; it must be {valid}.")
   if num_devices is not None and not problems:  # the runtime checks assume sane types
     problems += _runtime_problems(config, num_devices)
   if problems:
-    raise ValueError('Invalid config:\n  ' + '\n  '.join(problems))
+    raise ValueError("Invalid config:\n  " + "\n  ".join(problems))

@@ -8,7 +8,7 @@ from torus_collectives.topology import most_square_shape
 
 
 @pytest.mark.parametrize(
-  'batch, peak, warmup', [(4096, 5.0, 5), (8192, 10.0, 5), (16384, 25.0, 5), (32768, 32.0, 14)]
+  "batch, peak, warmup", [(4096, 5.0, 5), (8192, 10.0, 5), (16384, 25.0, 5), (32768, 32.0, 14)]
 )
 def test_imagenet_peak_learning_rate_follows_the_table(batch, peak, warmup):
   config = imagenet.get_config(global_batch=batch)
@@ -24,7 +24,7 @@ def test_pod_config_is_a_32x32_torus_with_bn_over_64_examples():
 
 
 @pytest.mark.parametrize(
-  'span, per_replica, replicas, group',
+  "span, per_replica, replicas, group",
   [(64, 8, 8, 8), (64, 16, 8, 4), (64, 32, 1024, 2), (64, 128, 8, 1), (64, 12, 6, 3)],
 )
 def test_replicas_per_bn_group(span, per_replica, replicas, group):
@@ -32,7 +32,7 @@ def test_replicas_per_bn_group(span, per_replica, replicas, group):
 
 
 @pytest.mark.parametrize(
-  'devices, shape', [(8, (2, 4)), (1024, (32, 32)), (6, (2, 3)), (7, (1, 7))]
+  "devices, shape", [(8, (2, 4)), (1024, (32, 32)), (6, (2, 3)), (7, (1, 7))]
 )
 def test_default_torus_shape_is_most_square(devices, shape):
   assert most_square_shape(devices) == shape
@@ -41,7 +41,7 @@ def test_default_torus_shape_is_most_square(devices, shape):
 def test_default_runs_digits_on_a_2x4_torus():
   config = default.get_config()
   assert (config.dataset, tuple(config.mesh_shape), config.simulated_cpu_devices) == (
-    'digits',
+    "digits",
     (2, 4),
     8,
   )

@@ -17,12 +17,12 @@ MESH_SHAPE = (2, 4)
 
 def _tiny(**fields):
   return models.create_model(
-    'resnet_tiny', num_classes=5, dtype=jnp.float32, axis_name=('x', 'y'), **fields
+    "resnet_tiny", num_classes=5, dtype=jnp.float32, axis_name=("x", "y"), **fields
   )
 
 
 def _train_forward(model, variables, images, mesh):
-  apply = functools.partial(model.apply, train=True, mutable=['batch_stats'])
+  apply = functools.partial(model.apply, train=True, mutable=["batch_stats"])
   return jax.jit(
     jax.shard_map(
       apply, mesh=mesh, in_specs=(P(), P(mesh.axis_names)), out_specs=(P(mesh.axis_names), P())

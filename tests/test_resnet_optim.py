@@ -20,19 +20,19 @@ LR, TRUST, WD = 0.5, 0.01, 1e-2
 
 def _params():
   return {
-    'conv': {'kernel': jnp.full((3, 3, 2, 4), 2.0)},
-    'bn': {'scale': jnp.full((4,), 3.0), 'bias': jnp.full((4,), -1.0)},
-    'dense': {'kernel': jnp.full((4, 5), 0.5), 'bias': jnp.full((5,), 4.0)},
+    "conv": {"kernel": jnp.full((3, 3, 2, 4), 2.0)},
+    "bn": {"scale": jnp.full((4,), 3.0), "bias": jnp.full((4,), -1.0)},
+    "dense": {"kernel": jnp.full((4, 5), 0.5), "bias": jnp.full((5,), 4.0)},
   }
 
 
 def test_kernel_mask_selects_only_kernels_of_a_resnet():
-  model = models.create_model('resnet_tiny', num_classes=3, dtype=jnp.float32)
+  model = models.create_model("resnet_tiny", num_classes=3, dtype=jnp.float32)
   init = functools.partial(model.init, train=False)
-  params = jax.eval_shape(init, jax.random.key(0), jnp.zeros((1, 16, 16, 3)))['params']
+  params = jax.eval_shape(init, jax.random.key(0), jnp.zeros((1, 16, 16, 3)))["params"]
   flat = jax.tree_util.tree_flatten_with_path(optim.kernel_mask(params))[0]
   for path, included in flat:
-    assert included == (path[-1].key == 'kernel'), path
+    assert included == (path[-1].key == "kernel"), path
   assert any(included for _, included in flat) and not all(included for _, included in flat)
 
 
@@ -43,15 +43,15 @@ def test_lars_scales_kernels_and_leaves_bn_and_biases_to_plain_sgd():
     optax.constant_schedule(LR), weight_decay=WD, momentum=0.9, trust_coefficient=TRUST, eps=0.0
   )
   updates, _ = tx.update(grads, tx.init(params), params)
-  for name in ('bn', 'dense'):
-    for leaf in ('scale', 'bias'):
+  for name in ("bn", "dense"):
+    for leaf in ("scale", "bias"):
       if leaf in updates[name]:
         np.testing.assert_allclose(updates[name][leaf], -LR * 0.25, rtol=1e-6)
-  for name in ('conv', 'dense'):
-    w = params[name]['kernel']
-    g = grads[name]['kernel'] + WD * w
+  for name in ("conv", "dense"):
+    w = params[name]["kernel"]
+    g = grads[name]["kernel"] + WD * w
     expected = -LR * TRUST * jnp.linalg.norm(w) / jnp.linalg.norm(g) * g
-    np.testing.assert_allclose(updates[name]['kernel'], expected, rtol=1e-5)
+    np.testing.assert_allclose(updates[name]["kernel"], expected, rtol=1e-5)
 
 
 def test_learning_rate_warms_up_linearly_then_decays_to_the_end_rate():
@@ -83,14 +83,14 @@ def test_weight_update_sharding_matches_replicated_lars_in_the_train_step():
   mesh = tc.make_torus_mesh((2, 4))
   axes = mesh.axis_names
   model = models.create_model(
-    'resnet_tiny', num_classes=10, dtype=jnp.float32, axis_name=axes, bn_group_size=8
+    "resnet_tiny", num_classes=10, dtype=jnp.float32, axis_name=axes, bn_group_size=8
   )
   learning_rate_fn = optax.constant_schedule(0.5)
   rng = np.random.default_rng(0)
   batch = jax.device_put(
     {
-      'image': jnp.asarray(rng.standard_normal((16, 16, 16, 3)), jnp.float32),
-      'label': jnp.asarray(rng.integers(0, 10, 16), jnp.int32),
+      "image": jnp.asarray(rng.standard_normal((16, 16, 16, 3)), jnp.float32),
+      "label": jnp.asarray(rng.integers(0, 10, 16), jnp.int32),
     },
     NamedSharding(mesh, P(axes)),
   )
@@ -103,9 +103,9 @@ def test_weight_update_sharding_matches_replicated_lars_in_the_train_step():
     init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=spec))
     state = train.TrainState(
       step=jnp.zeros((), jnp.int32),
-      params=variables['params'],
-      batch_stats=variables['batch_stats'],
-      opt_state=init(variables['params']),
+      params=variables["params"],
+      batch_stats=variables["batch_stats"],
+      opt_state=init(variables["params"]),
     )
     average = None if sharded else tc.all_reduce_gradients
     step = jax.jit(

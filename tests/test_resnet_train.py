@@ -28,7 +28,7 @@ from resnet.configs import default
 TOTAL_STEPS = 8
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = dict(
-  model='resnet_tiny',
+  model="resnet_tiny",
   image_size=16,
   global_batch_size=32,
   eval_batch_size=64,
@@ -51,24 +51,24 @@ def tiny_config(data_dir, **overrides):
   return config
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
   """The digits plus one undecodable evaluation image."""
-  root = tmp_path_factory.mktemp('data')
-  data_sources.write_digits(root / 'digits')
-  (root / 'digits' / 'test' / '0' / 'corrupt.jpg').write_bytes(b'\xff\xd8\xff\xe0' + b'junk' * 50)
+  root = tmp_path_factory.mktemp("data")
+  data_sources.write_digits(root / "digits")
+  (root / "digits" / "test" / "0" / "corrupt.jpg").write_bytes(b"\xff\xd8\xff\xe0" + b"junk" * 50)
   return root
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def full_run(data_dir, tmp_path_factory):
-  workdir = tmp_path_factory.mktemp('full')
+  workdir = tmp_path_factory.mktemp("full")
   return workdir, train.train_and_evaluate(tiny_config(data_dir), str(workdir))
 
 
 def _final_state(workdir, step=TOTAL_STEPS):
   """The saved state on one device, whichever devices (and processes) saved it."""
-  path = pathlib.Path(workdir) / 'checkpoints' / str(step) / 'default'
+  path = pathlib.Path(workdir) / "checkpoints" / str(step) / "default"
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   with ocp.StandardCheckpointer() as checkpointer:
     target = jax.tree.map(
@@ -79,30 +79,30 @@ def _final_state(workdir, step=TOTAL_STEPS):
 
 
 def _rows(workdir):
-  lines = (pathlib.Path(workdir) / 'metrics.jsonl').read_text().splitlines()
+  lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
   return [json.loads(line) for line in lines]
 
 
 def _steps(workdir):
-  return [r['step'] for r in _rows(workdir)]
+  return [r["step"] for r in _rows(workdir)]
 
 
 def _losses(workdir):
-  return {r['step']: r['train_loss'] for r in _rows(workdir)}
+  return {r["step"]: r["train_loss"] for r in _rows(workdir)}
 
 
 def test_end_to_end_writes_checkpoints_metrics_and_plot(full_run):
   workdir, summary = full_run
-  assert summary['step'] == TOTAL_STEPS
-  assert 0.0 <= summary['eval_top1'] <= summary['eval_top5'] <= 1.0
-  assert summary['skipped_images'] == 0
-  assert summary['eval_skipped_images'] == 1  # the corrupt evaluation image, counted
-  with ocp.CheckpointManager(workdir / 'checkpoints') as manager:
+  assert summary["step"] == TOTAL_STEPS
+  assert 0.0 <= summary["eval_top1"] <= summary["eval_top5"] <= 1.0
+  assert summary["skipped_images"] == 0
+  assert summary["eval_skipped_images"] == 1  # the corrupt evaluation image, counted
+  with ocp.CheckpointManager(workdir / "checkpoints") as manager:
     assert manager.all_steps() == [TOTAL_STEPS - 2, TOTAL_STEPS]
   for step in (TOTAL_STEPS - 2, TOTAL_STEPS):
-    assert checkpoints.verification_problem(workdir / 'checkpoints' / str(step)) is None
-  assert (workdir / 'curves.png').stat().st_size > 0
-  assert list(workdir.glob('events.out.tfevents.*'))
+    assert checkpoints.verification_problem(workdir / "checkpoints" / str(step)) is None
+  assert (workdir / "curves.png").stat().st_size > 0
+  assert list(workdir.glob("events.out.tfevents.*"))
   assert _steps(workdir) == list(range(1, TOTAL_STEPS + 1))
   assert all(np.isfinite(list(_losses(workdir).values())))
 
@@ -113,14 +113,14 @@ def test_a_2x2x2_mesh_resumes_and_trains_on_every_axis(full_run, data_dir, tmp_p
   the same devices), step 7's loss is the 2x4 run's."""
   resume_from = TOTAL_STEPS - 2
   shutil.copytree(
-    full_run[0] / 'checkpoints' / str(resume_from), tmp_path / 'checkpoints' / str(resume_from)
+    full_run[0] / "checkpoints" / str(resume_from), tmp_path / "checkpoints" / str(resume_from)
   )
   config = tiny_config(data_dir, mesh_shape=(2, 2, 2))
   validation.validate_config(config, num_devices=jax.device_count())
   mesh = train.create_mesh(config)
-  assert dict(mesh.shape) == {'x': 2, 'y': 2, 'z': 2}
+  assert dict(mesh.shape) == {"x": 2, "y": 2, "z": 2}
   data = train._open_data(config, mesh)
-  assert data.sharding.spec == jax.sharding.PartitionSpec(('x', 'y', 'z'))
+  assert data.sharding.spec == jax.sharding.PartitionSpec(("x", "y", "z"))
   program = train._build_program(config, mesh, data)
   store = checkpoints.VerifiedCheckpoints(tmp_path)
   try:
@@ -134,7 +134,7 @@ def test_a_2x2x2_mesh_resumes_and_trains_on_every_axis(full_run, data_dir, tmp_p
   state, metrics = program.train_step(state, batch)
   assert int(state.step) == resume_from + 1
   expected = _losses(full_run[0])[resume_from + 1]
-  np.testing.assert_allclose(float(metrics['train_loss']), expected, rtol=1e-5)
+  np.testing.assert_allclose(float(metrics["train_loss"]), expected, rtol=1e-5)
 
 
 def test_sigterm_checkpoints_and_resume_is_bitwise_equal(full_run, data_dir, tmp_path, monkeypatch):
@@ -143,19 +143,19 @@ def test_sigterm_checkpoints_and_resume_is_bitwise_equal(full_run, data_dir, tmp
 
   def prefetch_then_sigterm(batches, sharding, **kwargs):
     for i, item in enumerate(real_prefetch(batches, sharding, **kwargs)):
-      if 'host_keys' not in kwargs and i + 1 == interrupt_before:  # the training stream
+      if "host_keys" not in kwargs and i + 1 == interrupt_before:  # the training stream
         signal.raise_signal(signal.SIGTERM)
       yield item
 
-  monkeypatch.setattr(input_pipeline, 'device_prefetch', prefetch_then_sigterm)
+  monkeypatch.setattr(input_pipeline, "device_prefetch", prefetch_then_sigterm)
   stopped = train.train_and_evaluate(tiny_config(data_dir), str(tmp_path))
   # Step 2 carries the stop to every process; it is read after step 3 is dispatched.
-  assert stopped['step'] == interrupt_before + 1
-  with ocp.CheckpointManager(tmp_path / 'checkpoints') as manager:
+  assert stopped["step"] == interrupt_before + 1
+  with ocp.CheckpointManager(tmp_path / "checkpoints") as manager:
     assert manager.all_steps() == [2, interrupt_before + 1]
-  monkeypatch.setattr(input_pipeline, 'device_prefetch', real_prefetch)
+  monkeypatch.setattr(input_pipeline, "device_prefetch", real_prefetch)
   resumed = train.train_and_evaluate(tiny_config(data_dir), str(tmp_path))
-  assert resumed['step'] == TOTAL_STEPS
+  assert resumed["step"] == TOTAL_STEPS
 
   jax.tree.map(np.testing.assert_array_equal, _final_state(full_run[0]), _final_state(tmp_path))
   assert _steps(tmp_path) == list(range(1, TOTAL_STEPS + 1))
@@ -163,7 +163,7 @@ def test_sigterm_checkpoints_and_resume_is_bitwise_equal(full_run, data_dir, tmp
 
 
 def _largest_file(step_dir):
-  files = [p for p in step_dir.rglob('*') if p.is_file() and p.name != checkpoints.DIGESTS]
+  files = [p for p in step_dir.rglob("*") if p.is_file() and p.name != checkpoints.DIGESTS]
   return max(files, key=lambda p: p.stat().st_size)
 
 
@@ -181,27 +181,27 @@ def _truncate(step_dir):
 
 
 def _zero_metadata(step_dir):
-  for path in step_dir.rglob('*METADATA'):
+  for path in step_dir.rglob("*METADATA"):
     path.write_bytes(bytes(path.stat().st_size))
 
 
 def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumed(
   full_run, data_dir, tmp_path, caplog
 ):
-  workdir = tmp_path / 'run'
+  workdir = tmp_path / "run"
   shutil.copytree(full_run[0], workdir)
-  newest = workdir / 'checkpoints' / str(TOTAL_STEPS)
+  newest = workdir / "checkpoints" / str(TOTAL_STEPS)
   expected = _final_state(full_run[0])
-  corruptions = {'4 KiB flipped': _flip_4kib, 'truncated': _truncate, 'zeroed': _zero_metadata}
+  corruptions = {"4 KiB flipped": _flip_4kib, "truncated": _truncate, "zeroed": _zero_metadata}
   # Each round resumes once more in the same workdir: three resumes in all.
   for resumes, (kind, corrupt) in enumerate(corruptions.items(), 1):
     corrupt(newest)
     caplog.clear()
     summary = train.train_and_evaluate(tiny_config(data_dir), str(workdir))
-    assert summary['step'] == TOTAL_STEPS, kind
-    assert f'Checkpoint step {TOTAL_STEPS} at {newest} is unusable' in caplog.text, kind
-    assert f'Resumed from the verified step {TOTAL_STEPS - 2} ' in caplog.text, kind
-    assert len(list((workdir / 'rejected_checkpoints').iterdir())) == resumes, kind
+    assert summary["step"] == TOTAL_STEPS, kind
+    assert f"Checkpoint step {TOTAL_STEPS} at {newest} is unusable" in caplog.text, kind
+    assert f"Resumed from the verified step {TOTAL_STEPS - 2} " in caplog.text, kind
+    assert len(list((workdir / "rejected_checkpoints").iterdir())) == resumes, kind
     jax.tree.map(np.testing.assert_array_equal, expected, _final_state(workdir))
     assert _steps(workdir) == list(range(1, TOTAL_STEPS + 1)), kind
 
@@ -209,18 +209,18 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumed(
 def test_non_finite_metrics_stop_without_saving_and_name_the_newest_checkpoint(
   full_run, data_dir, tmp_path, monkeypatch
 ):
-  workdir = tmp_path / 'run'
+  workdir = tmp_path / "run"
   shutil.copytree(full_run[0], workdir)
   # A NaN learning rate poisons the first step after the resume.
-  monkeypatch.setattr(train, 'create_learning_rate_fn', lambda *_: lambda step: jnp.nan)
+  monkeypatch.setattr(train, "create_learning_rate_fn", lambda *_: lambda step: jnp.nan)
   config = tiny_config(data_dir, num_train_steps=TOTAL_STEPS + 2)
   message = (
-    rf'Non-finite training metrics at step {TOTAL_STEPS + 1}: .*\. Stopped without saving; '
-    rf'the newest checkpoint is step {TOTAL_STEPS} in {re.escape(str(workdir))}/checkpoints\.$'
+    rf"Non-finite training metrics at step {TOTAL_STEPS + 1}: .*\. Stopped without saving; "
+    rf"the newest checkpoint is step {TOTAL_STEPS} in {re.escape(str(workdir))}/checkpoints\.$"
   )
   with pytest.raises(FloatingPointError, match=message):
     train.train_and_evaluate(config, str(workdir))
-  with ocp.CheckpointManager(workdir / 'checkpoints') as manager:
+  with ocp.CheckpointManager(workdir / "checkpoints") as manager:
     assert manager.all_steps() == [TOTAL_STEPS - 2, TOTAL_STEPS]
 
 
@@ -229,27 +229,27 @@ def _start_two(workdir, data_dir, *flags):
   port = two_processes.free_port()
   env = dict(
     os.environ,
-    JAX_PLATFORMS='cpu',
-    XLA_FLAGS='',
-    PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get('PYTHONPATH', '')]),
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS="",
+    PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
   )
   procs = []
   for i in range(2):
-    log = pathlib.Path(f'{workdir}.process{i}.log')
-    with log.open('w') as out:
+    log = pathlib.Path(f"{workdir}.process{i}.log")
+    with log.open("w") as out:
       proc = subprocess.Popen(
         [
           sys.executable,
-          '-m',
-          'resnet',
-          f'--config={REPO}/resnet/configs/default.py',
-          f'--workdir={workdir}',
-          f'--config.data_dir={data_dir}',
-          '--config.simulated_cpu_devices=4',
-          f'--coordinator_address=127.0.0.1:{port}',
-          '--num_processes=2',
-          f'--process_id={i}',
-          *[f'--config.{k}={v}' for k, v in TINY.items()],
+          "-m",
+          "resnet",
+          f"--config={REPO}/resnet/configs/default.py",
+          f"--workdir={workdir}",
+          f"--config.data_dir={data_dir}",
+          "--config.simulated_cpu_devices=4",
+          f"--coordinator_address=127.0.0.1:{port}",
+          "--num_processes=2",
+          f"--process_id={i}",
+          *[f"--config.{k}={v}" for k, v in TINY.items()],
           *flags,
         ],
         env=env,
@@ -277,23 +277,23 @@ def _finish(procs, timeout=PROCESS_TIMEOUT_S):
 def _wait_for_training(procs, workdir, timeout=PROCESS_TIMEOUT_S):
   """Returns once step 1 is logged, i.e. both processes are past compilation."""
   deadline = time.monotonic() + timeout
-  metrics = pathlib.Path(workdir) / 'metrics.jsonl'
+  metrics = pathlib.Path(workdir) / "metrics.jsonl"
   while not (metrics.exists() and metrics.read_text().strip()):
     if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
       outputs = _finish(procs, timeout=1)
-      pytest.fail('training never started:\n' + '\n'.join(o[-3000:] for o in outputs))
+      pytest.fail("training never started:\n" + "\n".join(o[-3000:] for o in outputs))
     time.sleep(0.2)
 
 
 def _assert_succeeded(procs, outputs):
   for i, (p, out) in enumerate(zip(procs, outputs)):
-    assert p.returncode == 0, f'process {i}:\n{out[-3000:]}'
+    assert p.returncode == 0, f"process {i}:\n{out[-3000:]}"
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def two_process_run(data_dir, tmp_path_factory):
   """An uninterrupted run of 2 processes x 4 devices."""
-  workdir = tmp_path_factory.mktemp('two') / 'run'
+  workdir = tmp_path_factory.mktemp("two") / "run"
   procs = _start_two(workdir, data_dir)
   _assert_succeeded(procs, _finish(procs))
   return workdir
@@ -310,17 +310,17 @@ def test_two_processes_match_one(full_run, two_process_run):
 def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(
   two_process_run, data_dir, tmp_path
 ):
-  workdir = tmp_path / 'run'
+  workdir = tmp_path / "run"
   procs = _start_two(workdir, data_dir)
   _wait_for_training(procs, workdir)
   procs[1].send_signal(signal.SIGTERM)
   outputs = _finish(procs)
   _assert_succeeded(procs, outputs)
-  saved = [re.findall(r'saved step (\d+) to', out) for out in outputs]
+  saved = [re.findall(r"saved step (\d+) to", out) for out in outputs]
   assert saved[0] == saved[1] and len(saved[0]) == 1, saved
   assert 1 < int(saved[0][0]) < TOTAL_STEPS
-  assert 'received by another process' in outputs[0]
-  assert 'received by this process' in outputs[1]
+  assert "received by another process" in outputs[0]
+  assert "received by this process" in outputs[1]
 
   procs = _start_two(workdir, data_dir)
   _assert_succeeded(procs, _finish(procs))
@@ -330,8 +330,8 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(
 
 @pytest.mark.multiprocess
 def test_sigkill_of_one_of_two_processes_is_named_by_the_survivor(data_dir, tmp_path):
-  workdir = tmp_path / 'run'
-  procs = _start_two(workdir, data_dir, '--config.num_train_steps=1000')
+  workdir = tmp_path / "run"
+  procs = _start_two(workdir, data_dir, "--config.num_train_steps=1000")
   _wait_for_training(procs, workdir)
   procs[1].kill()
   killed_at = time.monotonic()
@@ -342,7 +342,7 @@ def test_sigkill_of_one_of_two_processes_is_named_by_the_survivor(data_dir, tmp_
   detected_after = time.monotonic() - killed_at
   survivor = _finish(procs, timeout=1)[0]
   assert procs[0].returncode not in (0, None) and detected_after < DEAD_PEER_LIMIT_S, (
-    f'{detected_after:.0f} s:\n{survivor[-3000:]}'
+    f"{detected_after:.0f} s:\n{survivor[-3000:]}"
   )
-  assert re.search(r'Process 1 has not responded for \d+ s', survivor), survivor[-3000:]
-  assert 'they resume from step ' in survivor
+  assert re.search(r"Process 1 has not responded for \d+ s", survivor), survivor[-3000:]
+  assert "they resume from step " in survivor

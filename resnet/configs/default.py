@@ -19,10 +19,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh_shape = (2, 4)
 
   # Data: 'digits', 'imagenet2012' or 'folder:<root>' (<root>/<split>/<class>/<image>).
-  c.dataset = 'digits'
-  c.data_dir = 'data'
-  c.train_split = 'train'
-  c.eval_split = 'test'
+  c.dataset = "digits"
+  c.data_dir = "data"
+  c.train_split = "train"
+  c.eval_split = "test"
   c.image_size = 32
   # Digits are neither mirror-symmetric nor recognisable from an 8% crop.
   c.crop_area_range = (0.5, 1.0)
@@ -34,8 +34,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Model: 'resnet50', 'resnet34', 'resnet18' or 'resnet_tiny'. Compute dtype: bfloat16
   # is emulated on CPUs and much slower there, so the CPU default is float32.
-  c.model = 'resnet50'
-  c.dtype = 'float32'
+  c.model = "resnet50"
+  c.dtype = "float32"
   c.bn_momentum = 0.9
   # Batch norm statistics span this many examples (a group of replicas) unless
   # bn_group_size (replicas per group) is set above 0.
@@ -57,7 +57,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.lars_eps = 0.0
   c.label_smoothing = 0.1
   # Gradient summation backend of torus_collectives ('auto', 'xla', 'shard_map', ...).
-  c.grad_implementation = 'auto'
+  c.grad_implementation = "auto"
   # Time the gradient summation and batch norms of this model on this mesh before training
   # (resnet/pretune.py); 'auto' runs a torus implementation once it beat XLA with confidence
   # here in two runs from different processes (this one and an earlier one in the cache).

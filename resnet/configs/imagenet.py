@@ -22,24 +22,24 @@ def lars_hyperparameters(global_batch: int) -> tuple[float, float]:
   for limit, peak, warmup in LARS_TABLE:
     if limit is None or global_batch < limit:
       return peak * 256 / global_batch, warmup
-  raise AssertionError('unreachable: the last row has no limit')
+  raise AssertionError("unreachable: the last row has no limit")
 
 
 def get_config(global_batch: int = 4096):
   c = default.get_config()
   c.simulated_cpu_devices = 0
   c.mesh_shape = ()  # the most square torus over all devices
-  c.dataset = 'imagenet2012'
-  c.data_dir = ''  # tfds default (~/tensorflow_datasets)
-  c.train_split = 'train'
-  c.eval_split = 'validation'
+  c.dataset = "imagenet2012"
+  c.data_dir = ""  # tfds default (~/tensorflow_datasets)
+  c.train_split = "train"
+  c.eval_split = "validation"
   c.image_size = 224
   c.crop_area_range = (0.08, 1.0)
   c.random_flip = True
   c.eval_crop_fraction = 0.875
   c.shuffle_buffer = 16_384
-  c.model = 'resnet50'
-  c.dtype = 'bfloat16'
+  c.model = "resnet50"
+  c.dtype = "bfloat16"
   c.bn_span_examples = 64
   c.global_batch_size = global_batch
   c.eval_batch_size = 1024
