@@ -17,7 +17,10 @@ under its new name, so that the conformance bases parametrize over it; with
 (``test_conformance_registry`` runs the bases so).
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite checks values, not speed: XLA's cheapest compile pipeline cuts the compile time
@@ -25,6 +28,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # Subprocess tests load libtpu (for ahead-of-time TPU compiles) while this process holds it.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# One persistent compilation cache for the whole run, shared by the xdist workers and every
+# subprocess the tests start (they inherit the environment): a program compiled again by
+# another test or process (the example's train step, re-run on resume) is read back.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="torus-collectives-jax-cache-")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()

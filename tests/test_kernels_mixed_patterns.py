@@ -10,9 +10,11 @@ Two checks:
 
 * the program -- a ring on ``y`` (the batch-norm group-sum pattern: per-channel sums of an
   activation), a ring on ``x``, the 2-D all-reduce, reduce-scatter and all-gather, back to
-  back, twice inside ``lax.scan`` -- runs in TPU interpret mode with the race detector
-  on and NaN-poisoned scratch, on 2x4 (this process) and 4x4 (a 16-device subprocess),
-  and matches lax exactly on integers;
+  back, inside ``lax.scan`` -- runs in TPU interpret mode with the race detector on and
+  NaN-poisoned scratch, and matches lax exactly on integers: twice on 2x4 (this process),
+  so that the last kernel of one iteration meets the first of the next, and once on 4x4 (a
+  16-device subprocess, where every kernel's neighbours are four different devices; one
+  iteration there halves the suite's longest interpret-mode run);
 * every pallas_call of that program, including those inside the scan body, carries a
   collective id that no kernel of another (kind, axes, torus) pattern uses.
 
@@ -60,24 +62,24 @@ def step(v, implementation: str):
   return jnp.concatenate([stats, ring_x, torus, gradient[-v.size :], gathered])
 
 
-def program(implementation: str):
-  """``step`` twice inside ``lax.scan``: the kernels run back to back within a step, and the
-  last kernel of one iteration meets the first of the next."""
+def program(implementation: str, iterations: int = 2):
+  """``step`` ``iterations`` times inside ``lax.scan``: the kernels run back to back within a
+  step, and the last kernel of one iteration meets the first of the next."""
 
   def per_device(v):
     def body(carry, _):
       out = step(carry, implementation)
       return out[-carry.size :] % 7, out
 
-    _, outs = lax.scan(body, v, length=2)
+    _, outs = lax.scan(body, v, length=iterations)
     return outs.reshape(-1)
 
   return per_device
 
 
-def _run(mesh, x, implementation: str):
+def _run(mesh, x, implementation: str, iterations: int):
   fn = jax.shard_map(
-    lambda v: program(implementation)(v[0])[None],
+    lambda v: program(implementation, iterations)(v[0])[None],
     mesh=mesh,
     in_specs=P(AXES),
     out_specs=P(AXES),
@@ -92,10 +94,10 @@ def _inputs(p: int):
   return jnp.asarray(np.random.default_rng(1).integers(-8, 8, size=(p, n)), jnp.int32)
 
 
-def run_and_compare(mesh) -> None:
+def run_and_compare(mesh, iterations: int) -> None:
   x = _inputs(mesh.size)
-  want = _run(mesh, x, "xla")
-  got = harness.interpreted("on_wait", _run, mesh, x, "pallas")
+  want = _run(mesh, x, "xla", iterations)
+  got = harness.interpreted("on_wait", _run, mesh, x, "pallas", iterations)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -135,7 +137,7 @@ def test_each_pattern_has_its_own_collective_id(shape):
 
 @pytest.mark.interpret
 def test_mixed_patterns_on_2x4_match_lax():
-  run_and_compare(harness.mesh((2, 4)))
+  run_and_compare(harness.mesh((2, 4)), iterations=2)
 
 
 @pytest.mark.interpret
@@ -146,5 +148,5 @@ def test_mixed_patterns_on_4x4_match_lax():
 
 if __name__ == "__main__":
   sys.path.insert(0, os.getcwd())
-  run_and_compare(harness.mesh((4, 4)))
+  run_and_compare(harness.mesh((4, 4)), iterations=1)
   print(MARKER)
