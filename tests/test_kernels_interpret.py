@@ -8,7 +8,7 @@ a buffer before a DMA has filled it shows up as a wrong or NaN result. Interpret
 (seconds per kernel), so the matrix is a chosen spread over meshes, dtypes, collectives and
 DMA execution modes rather than their product; every collective runs in both ``eager`` and
 ``on_wait`` modes somewhere on each rank (the multi-block all-reduce runs eagerly on the 4x4
-torus in test_kernels_interpret_4x4.py).
+torus in test_kernels_mixed_patterns.py).
 
 On 3-D tori (2x2x2 here; 2x2x4, 16 devices, in a subprocess) the split schedule runs six
 streams, and its first reduce-scatter slab spans two grid axes, which the 2-D kernels never

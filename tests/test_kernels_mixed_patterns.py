@@ -11,10 +11,13 @@ Two checks:
 * the program -- a ring on ``y`` (the batch-norm group-sum pattern: per-channel sums of an
   activation), a ring on ``x``, the 2-D all-reduce, reduce-scatter and all-gather, back to
   back, inside ``lax.scan`` -- runs in TPU interpret mode with the race detector on and
-  NaN-poisoned scratch, and matches lax exactly on integers: twice on 2x4 (this process),
-  so that the last kernel of one iteration meets the first of the next, and once on 4x4 (a
-  16-device subprocess, where every kernel's neighbours are four different devices; one
-  iteration there halves the suite's longest interpret-mode run);
+  NaN-poisoned scratch, and matches lax exactly on integers: twice on 2x4 (this process,
+  DMAs "on_wait"), so that the last kernel of one iteration meets the first of the next,
+  and once on 4x4 (a 16-device subprocess, DMAs "eager"). 4x4 is the smallest torus on
+  which a device's four links lead to four different devices and every ring phase has
+  several steps, so the split all-reduce's per-phase capacity handshake runs for real; its
+  "gradient" there is two blocks per stream with a padded tail. One iteration on 4x4
+  keeps the suite's longest interpret-mode run to a couple of minutes;
 * every pallas_call of that program, including those inside the scan body, carries a
   collective id that no kernel of another (kind, axes, torus) pattern uses.
 
@@ -43,20 +46,22 @@ AXES = ("x", "y")
 CHANNELS = 24  # per-channel statistics of the batch-norm group sum
 LANES = 128
 MARKER = "mixed patterns on 4x4 match lax"
+GRADIENT_BLOCKS = tc.KernelConfig(block_rows=16)
 
 
 def step(v, implementation: str):
   """One per-device "training step" mixing every communication pattern of the kernels.
 
   Small buffers run one-stream schedules; the "gradient" all-reduce is large enough for
-  the split schedule's four streams (a tile per stream slice), which uses other links."""
-  ar = lambda u, axes: tc.all_reduce(u, axes, implementation=implementation)
+  the split schedule's four streams, which use other links: in blocks of 16 rows, two
+  blocks per stream slice, less an odd amount (padding)."""
+  ar = lambda u, axes, **kw: tc.all_reduce(u, axes, implementation=implementation, **kw)
   # Batch-norm group over y: per-channel sums of an (rows, CHANNELS) activation.
   stats = ar(v.reshape(-1, CHANNELS).sum(0), "y")
   ring_x = ar(v, "x")
   torus = ar(v, AXES)
   p = lax.axis_size(AXES)
-  gradient = ar(jnp.resize(v, p * 4 * 16 * LANES), AXES)
+  gradient = ar(jnp.resize(v, p * 4 * 2 * 16 * LANES - 333), AXES, config=GRADIENT_BLOCKS)
   shard = tc.reduce_scatter(v, AXES, tiled=True, implementation=implementation)
   gathered = tc.all_gather(shard, AXES, tiled=True, implementation=implementation)
   return jnp.concatenate([stats, ring_x, torus, gradient[-v.size :], gathered])
@@ -94,10 +99,10 @@ def _inputs(p: int):
   return jnp.asarray(np.random.default_rng(1).integers(-8, 8, size=(p, n)), jnp.int32)
 
 
-def run_and_compare(mesh, iterations: int) -> None:
+def run_and_compare(mesh, iterations: int, dma_mode: str) -> None:
   x = _inputs(mesh.size)
   want = _run(mesh, x, "xla", iterations)
-  got = harness.interpreted("on_wait", _run, mesh, x, "pallas", iterations)
+  got = harness.interpreted(dma_mode, _run, mesh, x, "pallas", iterations)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -137,7 +142,7 @@ def test_each_pattern_has_its_own_collective_id(shape):
 
 @pytest.mark.interpret
 def test_mixed_patterns_on_2x4_match_lax():
-  run_and_compare(harness.mesh((2, 4)), iterations=2)
+  run_and_compare(harness.mesh((2, 4)), iterations=2, dma_mode="on_wait")
 
 
 @pytest.mark.interpret
@@ -148,5 +153,5 @@ def test_mixed_patterns_on_4x4_match_lax():
 
 if __name__ == "__main__":
   sys.path.insert(0, os.getcwd())
-  run_and_compare(harness.mesh((4, 4)), iterations=1)
+  run_and_compare(harness.mesh((4, 4)), iterations=1, dma_mode="eager")
   print(MARKER)
