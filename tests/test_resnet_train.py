@@ -25,6 +25,8 @@ import two_processes
 from resnet import checkpoints, data_sources, input_pipeline, train, validation
 from resnet.configs import default
 
+pytestmark = pytest.mark.slow  # every test here trains
+
 TOTAL_STEPS = 8
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = dict(

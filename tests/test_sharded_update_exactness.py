@@ -124,6 +124,7 @@ def _assert_exact(mesh, make_tx):
   assert set(moved) >= {"bias", "dense", "conv"}, moved  # the comparison is not vacuous
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", [(2, 4), (2, 2, 2)], ids=["2x4", "2x2x2"])
 @pytest.mark.parametrize("name", sorted(EXACT))
 def test_exact(name, mesh_shape):
