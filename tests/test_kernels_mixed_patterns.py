@@ -49,31 +49,35 @@ MARKER = "mixed patterns on 4x4 match lax"
 GRADIENT_BLOCKS = tc.KernelConfig(block_rows=16)
 
 
-def step(v, implementation: str):
+def step(v, implementation: str, multi_block: bool):
   """One per-device "training step" mixing every communication pattern of the kernels.
 
   Small buffers run one-stream schedules; the "gradient" all-reduce is large enough for
-  the split schedule's four streams, which use other links: in blocks of 16 rows, two
-  blocks per stream slice, less an odd amount (padding)."""
+  the split schedule's four streams, which use other links: a tile per stream slice, or
+  with ``multi_block`` blocks of 16 rows, two per stream slice, less an odd amount
+  (padding)."""
   ar = lambda u, axes, **kw: tc.all_reduce(u, axes, implementation=implementation, **kw)
   # Batch-norm group over y: per-channel sums of an (rows, CHANNELS) activation.
   stats = ar(v.reshape(-1, CHANNELS).sum(0), "y")
   ring_x = ar(v, "x")
   torus = ar(v, AXES)
   p = lax.axis_size(AXES)
-  gradient = ar(jnp.resize(v, p * 4 * 2 * 16 * LANES - 333), AXES, config=GRADIENT_BLOCKS)
+  if multi_block:
+    gradient = ar(jnp.resize(v, p * 4 * 2 * 16 * LANES - 333), AXES, config=GRADIENT_BLOCKS)
+  else:
+    gradient = ar(jnp.resize(v, p * 4 * 16 * LANES), AXES)
   shard = tc.reduce_scatter(v, AXES, tiled=True, implementation=implementation)
   gathered = tc.all_gather(shard, AXES, tiled=True, implementation=implementation)
   return jnp.concatenate([stats, ring_x, torus, gradient[-v.size :], gathered])
 
 
-def program(implementation: str, iterations: int = 2):
+def program(implementation: str, iterations: int = 2, multi_block: bool = False):
   """``step`` ``iterations`` times inside ``lax.scan``: the kernels run back to back within a
   step, and the last kernel of one iteration meets the first of the next."""
 
   def per_device(v):
     def body(carry, _):
-      out = step(carry, implementation)
+      out = step(carry, implementation, multi_block)
       return out[-carry.size :] % 7, out
 
     _, outs = lax.scan(body, v, length=iterations)
@@ -82,9 +86,9 @@ def program(implementation: str, iterations: int = 2):
   return per_device
 
 
-def _run(mesh, x, implementation: str, iterations: int):
+def _run(mesh, x, implementation: str, iterations: int, multi_block: bool):
   fn = jax.shard_map(
-    lambda v: program(implementation, iterations)(v[0])[None],
+    lambda v: program(implementation, iterations, multi_block)(v[0])[None],
     mesh=mesh,
     in_specs=P(AXES),
     out_specs=P(AXES),
@@ -99,10 +103,10 @@ def _inputs(p: int):
   return jnp.asarray(np.random.default_rng(1).integers(-8, 8, size=(p, n)), jnp.int32)
 
 
-def run_and_compare(mesh, iterations: int, dma_mode: str) -> None:
+def run_and_compare(mesh, iterations: int, dma_mode: str, multi_block: bool) -> None:
   x = _inputs(mesh.size)
-  want = _run(mesh, x, "xla", iterations)
-  got = harness.interpreted(dma_mode, _run, mesh, x, "pallas", iterations)
+  want = _run(mesh, x, "xla", iterations, multi_block)
+  got = harness.interpreted(dma_mode, _run, mesh, x, "pallas", iterations, multi_block)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -142,7 +146,7 @@ def test_each_pattern_has_its_own_collective_id(shape):
 
 @pytest.mark.interpret
 def test_mixed_patterns_on_2x4_match_lax():
-  run_and_compare(harness.mesh((2, 4)), iterations=2, dma_mode="on_wait")
+  run_and_compare(harness.mesh((2, 4)), iterations=2, dma_mode="on_wait", multi_block=False)
 
 
 @pytest.mark.interpret
@@ -153,5 +157,5 @@ def test_mixed_patterns_on_4x4_match_lax():
 
 if __name__ == "__main__":
   sys.path.insert(0, os.getcwd())
-  run_and_compare(harness.mesh((4, 4)), iterations=1, dma_mode="eager")
+  run_and_compare(harness.mesh((4, 4)), iterations=1, dma_mode="eager", multi_block=True)
   print(MARKER)
