@@ -5,8 +5,9 @@ backend writes its own cost estimate of each fusion and convolution into the op'
 config as ``"estimated_cycles"``. From those two facts this module builds a timeline of
 one step on one chip:
 
-* compute runs one op at a time on the TensorCore, each for its estimated cycles at the
-  generation's clock (``CLOCK_HZ``);
+* compute runs one op at a time on the TensorCore, each for its estimated cycles at a
+  clock the caller calibrates (``implied_clock``: ``bench.overlap_report`` takes the clock
+  at which the compiler's estimate of a large bf16 matmul runs at the published peak);
 * each collective is priced by a caller-supplied function of its bytes (the alpha-beta
   ``cost_model`` in ``bench.overlap_report``), since the compiler gives no cycle estimate
   for communication;
@@ -27,20 +28,17 @@ import math
 import re
 from collections.abc import Callable
 
-# TensorCore clocks (Hz) that turn the compiler's estimated cycles into seconds. v4's
-# 1,050 MHz is from Jouppi et al., "TPU v4", ISCA 2023; the Cloud TPU documentation does
-# not publish the others, so v5e's, v5p's and v6e's are ASSUMED. Each report checks the
-# assumption on its own program: the estimated compute time against the program's FLOPs
-# at peak (``PEAK_FLOPS``), printed as a ratio.
-CLOCK_HZ = {"v4": 1.05e9, "v5e": 1.5e9, "v5p": 1.75e9, "v6e": 1.75e9}
-# Peak bf16 FLOP/s per chip, from the Cloud TPU documentation.
-PEAK_FLOPS = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12}
+# Peak bf16 FLOP/s of one jax device, from the Cloud TPU documentation's per-chip peaks:
+# v5e 197 T, v5p 459 T, v6e 918 T, one device per chip; v4 275 T per chip, which shows
+# two devices (TensorCores) when compiled ahead of time for a topology, so half each.
+PEAK_FLOPS = {"v4": 275e12 / 2, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12}
 
 DTYPE_BYTES = {
   "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
   "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1,
 }  # fmt: skip
 SYNC_COLLECTIVES = frozenset({"all-reduce", "all-gather", "reduce-scatter", "all-to-all"})
+COLLECTIVE_OPCODES = (*sorted(SYNC_COLLECTIVES), "collective-permute")
 ASYNC_STARTS = frozenset(
   {"all-reduce-start", "all-gather-start", "reduce-scatter-start", "collective-permute-start"}
 )
@@ -51,6 +49,15 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
 _GROUPS = re.compile(r"replica_groups=mesh\[[^\]]*\] \{([^}]*)\}")
+_COLLECTIVE = re.compile(r" (" + "|".join(COLLECTIVE_OPCODES) + r")(?:-start)?\(")
+
+
+def implied_clock(cycles: float, flops: float, peak_flops: float) -> float:
+  """The clock (Hz) at which ``cycles`` of estimated time do ``flops`` at ``peak_flops``:
+  given the estimate of a program that runs at the peak (a large matmul), the fastest
+  clock at which the compiler's estimates are physically possible. Timing compute with it
+  gives the shortest compute, and so the least overlap: the conservative choice."""
+  return cycles * peak_flops / flops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +73,7 @@ class Op:
   target: str  # custom_call_target, or ""
   calls: str  # the fused computation, or ""
   axes: tuple[str, ...] | None  # mesh axes of its replica groups (of its body, if fused)
+  collective: str = ""  # "all-reduce", "all-gather", ... (of its body, if fused), or ""
 
   @property
   def result_bytes(self) -> int:
@@ -143,7 +151,13 @@ def parse_instruction(line: str) -> Op | None:
     target=target.group(1) if target else "",
     calls=calls.group(1) if calls else "",
     axes=_axes(groups.group(1)) if groups else None,
+    collective=_collective_of(opcode),
   )
+
+
+def _collective_of(opcode: str) -> str:
+  stem = opcode.removesuffix("-start")
+  return stem if stem in COLLECTIVE_OPCODES else ""
 
 
 def _axes(text: str) -> tuple[str, ...]:
@@ -168,7 +182,8 @@ def computations(hlo_text: str) -> dict[str, str]:
 
 def entry_ops(hlo_text: str) -> list[Op]:
   """The ENTRY computation's instructions, in schedule order; a fusion without replica
-  groups of its own (an async collective fusion) takes those of the collective inside."""
+  groups, a collective opcode or an ``op_name`` of its own (an async collective fusion)
+  takes those of the collective inside."""
   bodies = computations(hlo_text)
   ops, inside = [], False
   for line in hlo_text.splitlines():
@@ -179,10 +194,19 @@ def entry_ops(hlo_text: str) -> list[Op]:
       break
     if inside:
       op = parse_instruction(line)
-      if op is not None and op.axes is None and op.calls in bodies:
+      if op is not None and op.calls in bodies:
         groups = _GROUPS.search(bodies[op.calls])
-        if groups:
+        if groups and op.axes is None:
           op = dataclasses.replace(op, axes=_axes(groups.group(1)))
+        inner = _COLLECTIVE.search(bodies[op.calls])
+        if inner and not op.collective:
+          line_end = bodies[op.calls].find("\n", inner.end())
+          inner_name = _OP_NAME.search(bodies[op.calls], inner.end(), line_end % (2**63))
+          op = dataclasses.replace(
+            op,
+            collective=inner.group(1),
+            op_name=op.op_name or (inner_name.group(1) if inner_name else ""),
+          )
       if op is not None:
         ops.append(op)
   if not inside:
@@ -205,8 +229,9 @@ class CollectiveRow:
 
 @dataclasses.dataclass(frozen=True)
 class Timeline:
-  rows: tuple[CollectiveRow, ...]
+  rows: tuple[CollectiveRow, ...]  # the collectives ``counts`` selected
   compute_s: float  # the TensorCore's estimated busy time
+  others: tuple[CollectiveRow, ...] = ()  # the other collectives, timed too
 
   @property
   def communication_s(self) -> float:
@@ -242,14 +267,15 @@ def _source(name: str, by_name: dict[str, Op]) -> str:
 def _start_of(done: Op, by_name: dict[str, Op], in_flight) -> str | None:
   """The in-flight start a done completes. XLA's async collective fusions pass their state
   through the compute fusions in between, so they pair by name (``async-collective-done.N``
-  with ``async-collective-start.N``, checked by shape); other pairs by their operand."""
+  with ``async-collective-start.N``, checked by the done's shape being in the start's
+  tuple); other pairs by their operand."""
   if done.name.startswith(ASYNC_FUSION_DONE):
     start = ASYNC_FUSION_START + done.name[len(ASYNC_FUSION_DONE) :]
     if start not in in_flight:
       return None
-    operand = by_name[start].operands[0] if by_name[start].operands else None
-    if operand in by_name and shape_bytes(by_name[operand].result) != done.result_bytes:
-      raise ValueError(f"{done.name} does not match {start}: their shapes differ")
+    result = done.result.split("{", 1)[0]  # e.g. f32[1,8192]: the start's tuple holds it
+    if result not in by_name[start].result:
+      raise ValueError(f"{done.name} does not match {start}: the start holds no {result}")
     return start
   starts = {_source(o, by_name) for o in done.operands} & set(in_flight)
   return starts.pop() if len(starts) == 1 else None
@@ -270,14 +296,14 @@ def timeline(
   last_conv = max((i for i, op in enumerate(ops) if is_convolution(op)), default=-1)
   now = busy = 0.0
   in_flight: dict[str, tuple[float, float, float, int, int]] = {}  # start, busy, T, bytes, i
-  rows = []
+  rows, others = [], []
   for i, op in enumerate(ops):
     kind = op.kind
     if kind in ("sync", "pallas"):
       nbytes = _collective_bytes(op, by_name)
       seconds = price(op, nbytes)
-      if counts(op):
-        rows.append(CollectiveRow(op.name, kind, nbytes, seconds, 0.0, seconds, i > last_conv))
+      row = CollectiveRow(op.name, kind, nbytes, seconds, 0.0, seconds, i > last_conv)
+      (rows if counts(op) else others).append(row)
       now += seconds
     elif kind == "start":
       nbytes = _collective_bytes(op, by_name)
@@ -288,14 +314,12 @@ def timeline(
         continue
       began, busy_then, seconds, nbytes, index = in_flight.pop(start)
       finish = max(now, began + seconds)
-      if counts(by_name[start]):
-        covered, exposed = busy - busy_then, finish - now
-        rows.append(
-          CollectiveRow(start, "async", nbytes, seconds, covered, exposed, index > last_conv)
-        )
+      covered, exposed = busy - busy_then, finish - now
+      row = CollectiveRow(start, "async", nbytes, seconds, covered, exposed, index > last_conv)
+      (rows if counts(by_name[start]) else others).append(row)
       now = finish
     elif op.cycles:  # compute: a fusion, a convolution, a copy the compiler priced
       seconds = op.cycles / clock_hz
       now += seconds
       busy += seconds
-  return Timeline(tuple(rows), busy)
+  return Timeline(tuple(rows), busy, tuple(others))

@@ -22,6 +22,7 @@ its flags once per process.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -31,12 +32,12 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import torus_collectives as tc
 from bench import hlo_schedule
 from bench.aot_report import topology_mesh
 from resnet import optim, train
 from resnet.configs import imagenet
 from torus_collectives import cost_model, xla_settings
+from torus_collectives.gradients import GRADIENT_SCOPE, WEIGHT_GATHER_SCOPE
 
 ROWS = {
   # label: (implementation, weight-update sharding, XLA settings)
@@ -44,9 +45,8 @@ ROWS = {
   "xla, package settings": ("xla", False, "package"),
   "lax_torus, package settings": ("lax_torus", False, "package"),
   "pallas (blocking kernels)": ("pallas", False, "package"),
-  "weight-update sharding": ("auto", True, "package"),
+  "weight-update sharding, deferred gather": ("auto", True, "package"),
 }
-COLLECTIVE_NAMES = {"all-reduce": "all_reduce", "reduce-scatter": "reduce_scatter"}
 
 
 def _parse(argv):
@@ -59,35 +59,46 @@ def _parse(argv):
     "--weight-update-sharding", choices=("on", "off"), default=None, help="default: config"
   )
   parser.add_argument("--xla-settings", choices=("package", "default"), default="package")
-  parser.add_argument("--dump-hlo", default=None, help="write the compiled program here")
+  parser.add_argument("--bucket-mib", type=float, default=None, help="gradient bucket size")
+  parser.add_argument(
+    "--dump-hlo", default=None, help="write the compiled program here (--rows: a directory)"
+  )
+  parser.add_argument(
+    "--from-hlo", default=None, help="read a program --dump-hlo wrote instead of compiling"
+  )
   parser.add_argument("--rows", action="store_true", help="every standard row")
   parser.add_argument("--quiet", action="store_true", help="print only the last line")
   return parser.parse_args(argv)
 
 
-def lower_train_step(topology: str, model: str, batch: int, implementation, sharded):
+def lower_train_step(
+  topology: str, model: str, batch: int, implementation, sharded, bucket_bytes=None
+):
   """The example's train step, lowered for ``topology`` with abstract state and batch."""
   mesh = topology_mesh(topology)
   config = imagenet.get_config(global_batch=batch * mesh.devices.size)
   config.model = model
   if implementation is not None:
     config.grad_implementation = implementation
+  if bucket_bytes is not None:
+    config.grad_bucket_bytes = bucket_bytes
   if sharded is not None:
     config.weight_update_sharding = sharded
+    config.defer_weight_gather = sharded and config.defer_weight_gather
   net = train.create_model(config, 1000, mesh)
   learning_rate_fn = train.create_learning_rate_fn(config, steps_per_epoch=100, total_steps=10_000)
   tx, opt_state_spec = optim.create_optimizer(config, learning_rate_fn, mesh.axis_names)
   init = train.make_init_fn(net, tx, config.image_size, mesh, opt_state_spec)
-  specs = train.state_specs(opt_state_spec)
+  layout = train.params_layout(config, net, tx, mesh, jax.eval_shape(init, jax.random.key(0)))
+  specs = train.state_specs(opt_state_spec, layout.spec)
 
   def abstract(spec, subtree):
     sharding = NamedSharding(mesh, spec)
     as_abstract = lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
     return jax.tree.map(as_abstract, subtree)
 
-  state = jax.tree.map(
-    abstract, specs, jax.eval_shape(init, jax.random.key(0)), is_leaf=lambda x: isinstance(x, P)
-  )
+  running = jax.eval_shape(lambda key: layout.to_running(init(key)), jax.random.key(0))
+  state = jax.tree.map(abstract, specs, running, is_leaf=lambda x: isinstance(x, P))
   split = NamedSharding(mesh, P(mesh.axis_names))
   examples = batch * mesh.devices.size
   size = config.image_size
@@ -96,11 +107,6 @@ def lower_train_step(topology: str, model: str, batch: int, implementation, shar
     "image": jax.ShapeDtypeStruct((examples, size, size, 3), dtype, sharding=split),
     "label": jax.ShapeDtypeStruct((examples,), jnp.int32, sharding=split),
   }
-  average = None
-  if not config.weight_update_sharding:
-    average = lambda grads, axes: tc.all_reduce_gradients(
-      grads, axes, implementation=config.grad_implementation
-    )
   step = train.make_train_step(
     net,
     tx,
@@ -108,38 +114,80 @@ def lower_train_step(topology: str, model: str, batch: int, implementation, shar
     mesh,
     num_classes=1000,
     label_smoothing=config.label_smoothing,
-    average_gradients=average,
+    average_gradients=train.gradient_averaging(config),
     opt_state_spec=opt_state_spec,
+    layout=layout,
   )
   return mesh, jax.jit(step).lower(state, inputs)
 
 
-def report(compiled_text: str, mesh, generation: str, flops: float, *, quiet=False) -> str:
-  """Rows and the summary line of one compiled step on a ``generation`` ("v5e") mesh."""
+def calibrated_clock(mesh, generation: str, sizes=(2048, 4096, 8192)) -> float:
+  """The fastest clock (Hz) at which the compiler's estimate of an ``n``-cubed bf16 matmul
+  per device, for each ``n`` in ``sizes``, runs at ``generation``'s published peak
+  (``hlo_schedule.implied_clock``), compiled for ``mesh`` with the libtpu this process
+  loaded. The estimates' efficiency varies with the tiling (for v5e with libtpu 0.0.50,
+  1,552 to 1,712 MHz over these sizes), so the fastest is taken: the shortest compute,
+  hence the least overlap."""
+
+  def implied(n):
+    sharding = NamedSharding(mesh, P(mesh.axis_names))
+    a = jax.ShapeDtypeStruct((n * mesh.devices.size, n), jnp.bfloat16, sharding=sharding)
+    b = jax.ShapeDtypeStruct((n, n), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    compiled = jax.jit(jnp.matmul).lower(a, b).compile()
+    cycles = sum(op.cycles or 0 for op in hlo_schedule.entry_ops(compiled.as_text()))
+    return hlo_schedule.implied_clock(cycles, 2.0 * n**3, hlo_schedule.PEAK_FLOPS[generation])
+
+  return max(implied(n) for n in sizes)
+
+
+PRICED = ("all_reduce", "reduce_scatter", "all_gather")  # what cost_model models
+
+
+def is_data_parallel(op) -> bool:
+  """A collective of the step's gradient summation or weight gather (by named scope)."""
+  return any(scope in op.op_name for scope in (GRADIENT_SCOPE, WEIGHT_GATHER_SCOPE))
+
+
+def _collective_name(op) -> str:
+  """The ``cost_model`` collective an op runs: from its opcode, or (a Pallas call) its
+  jax ``op_name``."""
+  if op.collective:
+    return op.collective.replace("-", "_")
+  if "all_gather" in op.op_name:
+    return "all_gather"
+  if "reduce_scatter" in op.op_name or "psum_scatter" in op.op_name:
+    return "reduce_scatter"
+  return "all_reduce"
+
+
+def step_timeline(compiled_text: str, mesh, generation: str, clock_hz: float):
+  """The ``hlo_schedule.Timeline`` of one compiled step on a ``generation`` ("v5e") mesh:
+  its compute timed at ``clock_hz``, every collective priced by ``cost_model``, the
+  gradient summation's and weight gather's (``is_data_parallel``) counted."""
   generation = cost_model.GENERATIONS[generation]
-  clock = hlo_schedule.CLOCK_HZ[generation.name]
   sizes = dict(mesh.shape)
-  ops = hlo_schedule.entry_ops(compiled_text)
-
-  def axes_of(op):
-    return tuple(sizes) if op.kind == "pallas" else op.axes
-
-  def counts(op):  # the gradient's collectives span the whole mesh
-    return axes_of(op) is not None and set(axes_of(op)) == set(sizes)
 
   def price(op, nbytes):
-    axes = axes_of(op) or tuple(sizes)
+    axes = tuple(sizes) if op.kind == "pallas" else (op.axes or tuple(sizes))
     torus = tuple(sizes[a] for a in axes)
-    collective = next(
-      (name for text, name in COLLECTIVE_NAMES.items() if text in op.opcode + op.op_name),
-      "all_reduce",
-    )
-    variant = "torus_split" if len(torus) > 1 else "bidirectional_ring"
-    if nbytes == 0 or max(torus) == 1:
+    collective = _collective_name(op)
+    if nbytes == 0 or max(torus) == 1 or collective not in PRICED:
       return 0.0
+    if collective == "all_gather":  # the operand is one shard; the model takes the whole
+      nbytes *= math.prod(torus)
+    variant = "torus_split" if len(torus) > 1 else "bidirectional_ring"
     return cost_model.predict(collective, torus, variant, nbytes, generation).time_s
 
-  timeline = hlo_schedule.timeline(ops, clock, price, counts=counts)
+  ops = hlo_schedule.entry_ops(compiled_text)
+  return hlo_schedule.timeline(ops, clock_hz, price, counts=is_data_parallel)
+
+
+def report(
+  compiled_text: str, mesh, generation: str, flops: float, clock_hz: float, *, quiet=False
+) -> str:
+  """Rows and the summary line of ``step_timeline``; ``flops`` the step's per device, or
+  None when unknown (a program read back from a file)."""
+  timeline = step_timeline(compiled_text, mesh, generation, clock_hz)
   lines = []
   if not quiet:
     lines.append(f"{'collective':32s} {'kind':6s} {'MiB':>8s} {'model ms':>9s} {'covered':>8s} "
@@ -149,10 +197,21 @@ def report(compiled_text: str, mesh, generation: str, flops: float, *, quiet=Fal
         f"{row.name[:32]:32s} {row.kind:6s} {row.nbytes / 2**20:8.3f} {1e3 * row.modelled_s:9.4f}"
         f" {1e3 * row.covered_s:8.4f} {1e3 * row.exposed_s:8.4f}  {row.after_last_convolution}"
       )
-    peak = hlo_schedule.PEAK_FLOPS[generation.name]
+    others = timeline.others
+    lines.append(
+      f"other collectives (batch norm, metrics; timed, not counted above): {len(others)}, "
+      f"{1e3 * sum(r.modelled_s for r in others):.3f} ms modelled, "
+      f"{1e3 * sum(r.exposed_s for r in others):.3f} ms exposed"
+    )
+    peak = hlo_schedule.PEAK_FLOPS[generation]
+    lines.append(
+      f"{generation} clock {clock_hz / 1e6:.0f} MHz, calibrated on a bf16 matmul at peak; "
+      "compiler estimates and the cost model, not measurements"
+    )
+  if not quiet and flops:
     lines.append(
       f"compute estimate / (FLOPs at peak): {timeline.compute_s / (flops / peak):.2f} "
-      f"({flops / 1e9:.1f} GFLOP, {generation.name} clock {clock / 1e6:.0f} MHz assumed)"
+      f"({flops / 1e9:.1f} GFLOP per device)"
     )
   lines.append(timeline.summary())
   return "\n".join(lines)
@@ -169,6 +228,10 @@ def run_rows(args) -> None:
     command += ["--topology", args.topology, "--model", args.model, "--batch", str(args.batch)]
     command += ["--implementation", implementation, "--xla-settings", settings]
     command += ["--weight-update-sharding", "on" if sharded else "off"]
+    if args.dump_hlo:  # with --rows: a directory, one program per row
+      os.makedirs(args.dump_hlo, exist_ok=True)
+      name = "".join(c if c.isalnum() else "_" for c in label)
+      command += ["--dump-hlo", os.path.join(args.dump_hlo, f"{name}.hlo")]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     last = result.stdout.strip().splitlines()[-1:] or [result.stderr.strip()[-300:]]
     print(f"  {label:30s} {last[0]}", flush=True)
@@ -183,9 +246,22 @@ def main(argv=None) -> None:
     xla_settings.apply()  # importing jax starts no backend; the topology below does
   else:
     os.environ.pop("LIBTPU_INIT_ARGS", None)
+  generation = args.topology.split(":")[0]
+  if args.from_hlo:
+    mesh = topology_mesh(args.topology)
+    with open(args.from_hlo) as f:
+      text = f.read()
+    clock = calibrated_clock(mesh, generation)
+    print(report(text, mesh, generation, None, clock, quiet=args.quiet))
+    return
   sharded = None if args.weight_update_sharding is None else args.weight_update_sharding == "on"
   mesh, lowered = lower_train_step(
-    args.topology, args.model, args.batch, args.implementation, sharded
+    args.topology,
+    args.model,
+    args.batch,
+    args.implementation,
+    sharded,
+    None if args.bucket_mib is None else int(args.bucket_mib * 2**20),
   )
   compiled = lowered.compile()
   text = compiled.as_text()
@@ -194,8 +270,8 @@ def main(argv=None) -> None:
       f.write(text)
   cost = compiled.cost_analysis()
   flops = (cost[0] if isinstance(cost, list) else cost).get("flops", 0.0)
-  generation = args.topology.split(":")[0]
-  print(report(text, mesh, generation, flops, quiet=args.quiet))
+  clock = calibrated_clock(mesh, generation)
+  print(report(text, mesh, generation, flops, clock, quiet=args.quiet))
 
 
 if __name__ == "__main__":

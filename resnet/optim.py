@@ -84,4 +84,10 @@ def create_optimizer(
   )
   if not sharded:
     return tx, P()
-  return tc.sharded_update(tx, axes, implementation=config.grad_implementation), P(axes)
+  sharded_tx = tc.sharded_update(
+    tx,
+    axes,
+    bucket_bytes=config.grad_bucket_bytes,
+    implementation=config.grad_implementation,
+  )
+  return sharded_tx, P(axes)

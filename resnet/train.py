@@ -76,9 +76,62 @@ class TrainState:
   opt_state: Any
 
 
-def state_specs(opt_state_spec: P) -> TrainState:
-  """``shard_map`` specs of the state: replicated, but for a sharded optimizer state."""
-  return TrainState(step=P(), params=P(), batch_stats=P(), opt_state=opt_state_spec)
+def state_specs(opt_state_spec: P, params_spec: P | None = None) -> TrainState:
+  """``shard_map`` specs of the state: replicated, but for a sharded optimizer state (and,
+  while training with a deferred weight gather, sharded parameters)."""
+  params_spec = P() if params_spec is None else params_spec
+  return TrainState(step=P(), params=params_spec, batch_stats=P(), opt_state=opt_state_spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamsLayout:
+  """How the state holds the parameters while it trains.
+
+  Checkpoints, evaluation and ``make_init_fn`` always see them whole and replicated (the
+  *stored* state). With ``config.defer_weight_gather`` the *running* state holds each
+  device's ``[1, m]`` shard of every leaf instead (spec ``P(axes)``): the train step
+  all-gathers them at its start, one bucket at a time in the order the forward pass first
+  reads them (``tc.packing.first_use_order``), and leaves the new weights as shards, so
+  the gather can overlap the next forward pass. ``to_running``/``to_stored`` convert a
+  state between the two (identities when nothing is deferred).
+  """
+
+  spec: P = P()
+  gather: Callable | None = None  # per-device shards -> whole parameters, in shard_map
+  to_running: Callable[[TrainState], TrainState] = lambda state: state
+  to_stored: Callable[[TrainState], TrainState] = lambda state: state
+
+
+def params_layout(
+  config: ml_collections.ConfigDict,
+  model: nn.Module,
+  tx: Any,
+  mesh: jax.sharding.Mesh,
+  abstract_state: TrainState,
+) -> ParamsLayout:
+  """The ``ParamsLayout`` that ``config.defer_weight_gather`` asks for (``tx`` is then a
+  ``tc.sharded_update``); ``abstract_state`` is the stored state's shapes."""
+  if not config.defer_weight_gather:
+    return ParamsLayout()
+  axes = mesh.axis_names
+  like = abstract_state.params
+  image = jax.ShapeDtypeStruct((1, config.image_size, config.image_size, 3), model.dtype)
+  forward = lambda params, batch_stats, x: model.apply(
+    {"params": params, "batch_stats": batch_stats}, x, train=False
+  )
+  order = tc.packing.first_use_order(forward, like, abstract_state.batch_stats, image)
+  gather = functools.partial(tx.gather_params, like=like, order=order)
+
+  def converter(body, in_spec, out_spec):
+    convert = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_spec, out_specs=out_spec))
+    return lambda state: state.replace(params=convert(state.params))
+
+  return ParamsLayout(
+    spec=P(axes),
+    gather=gather,
+    to_running=converter(tx.shard_params, P(), P(axes)),
+    to_stored=converter(gather, P(axes), P()),
+  )
 
 
 def replicas_per_bn_group(span_examples: int, per_replica_batch: int, num_replicas: int) -> int:
@@ -107,8 +160,10 @@ def _train_step(
   num_classes,
   label_smoothing,
   average_gradients,
+  gather_params,
 ):
   """Per-device body of one training step (inside shard_map)."""
+  params = state.params if gather_params is None else gather_params(state.params)
 
   def loss_fn(params):
     logits, updates = model.apply(
@@ -124,18 +179,20 @@ def _train_step(
   # otherwise, under shard_map's varying-axes typing, the transpose of their implicit
   # broadcast already sums the gradient over the mesh, and averaging it again would train
   # on the sum of the replicas' gradients instead of their mean.
-  per_replica = lax.pcast(state.params, axes, to="varying")
+  per_replica = lax.pcast(params, axes, to="varying")
   (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(per_replica)
   if average_gradients is None:  # weight-update sharding: tx reduce-scatters them itself
-    params, opt_state = tx.apply_gradients(grads, state.opt_state, state.params)
+    params, opt_state = tx.apply_gradients(
+      grads, state.opt_state, params, gather=gather_params is None
+    )
     # The mean gradient exists only as shards: log the replicas' RMS gradient norm, an
     # upper bound of the mean's norm that is just as non-finite when it is.
     grad_norm = jnp.sqrt(lax.pmean(optax.tree.norm(grads) ** 2, axes))
   else:
     grads = average_gradients(grads, axes)
     grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    updates, opt_state = tx.update(grads, state.opt_state, params)
+    params = optax.apply_updates(params, updates)
   new_state = TrainState(
     step=state.step + 1,
     params=params,
@@ -163,6 +220,7 @@ def make_train_step(
   label_smoothing: float,
   average_gradients: Callable[[Any, tuple[str, ...]], Any] | None,
   opt_state_spec: P | None = None,
+  layout: ParamsLayout = ParamsLayout(),
 ) -> Callable:
   """One data-parallel step ``(state, batch) -> (state, metrics)`` over every mesh axis.
 
@@ -172,8 +230,9 @@ def make_train_step(
   ``tc.sharded_update``, which averages them itself and keeps its state split as
   ``opt_state_spec`` says (default: replicated). A batch may carry ``'stop'``, one int32
   per device (see ``faults.StopRequest``); ``metrics['stop']`` is then its maximum over
-  the mesh, the same on every process. The result is not jitted, so the caller chooses
-  whether to donate the state.
+  the mesh, the same on every process. The state is the running one of ``layout``
+  (``ParamsLayout``; by default replicated parameters). The result is not jitted, so the
+  caller chooses whether to donate the state.
   """
   body = functools.partial(
     _train_step,
@@ -184,8 +243,9 @@ def make_train_step(
     num_classes=num_classes,
     label_smoothing=label_smoothing,
     average_gradients=average_gradients,
+    gather_params=layout.gather,
   )
-  spec = state_specs(P() if opt_state_spec is None else opt_state_spec)
+  spec = state_specs(P() if opt_state_spec is None else opt_state_spec, layout.spec)
   return jax.shard_map(body, mesh=mesh, in_specs=(spec, P(mesh.axis_names)), out_specs=(spec, P()))
 
 
@@ -397,7 +457,8 @@ def _train_and_evaluate(
   mesh = create_mesh(config)
   data = _open_data(config, mesh)
   program = _build_program(config, mesh, data)
-  state = restore_or_create_state(store, program.init_fn, program.key, program.state_sharding)
+  stored = restore_or_create_state(store, program.init_fn, program.key, program.state_sharding)
+  state = program.layout.to_running(stored)
   start_step = int(state.step)
   run = _Run(
     config=config,
@@ -415,7 +476,7 @@ def _train_and_evaluate(
   finally:
     run.reporter.close()
   if evaluated_at != int(state.step):  # stopped by a signal, or resumed at the end
-    eval_metrics = run.evaluate(state)
+    eval_metrics = run.evaluate(program.layout.to_stored(state))
   return _summarize(run, state, eval_metrics, wall=time.time() - start_time)
 
 
@@ -525,17 +586,22 @@ class _Program:
 
   init_fn: Callable[[jax.Array], TrainState]  # jitted key -> state at step 0
   key: jax.Array  # the key init_fn takes
-  state_sharding: TrainState  # a sharding per state field
-  train_step: Callable  # jitted (state, batch) -> (state, metrics); donates the state
-  eval_step: Callable  # jitted (state, batch) -> {'top1', 'top5', 'count'}
+  state_sharding: TrainState  # a sharding per field of the stored state
+  layout: ParamsLayout  # the running state's parameters (to_running, to_stored)
+  train_step: Callable  # jitted (running state, batch) -> (state, metrics); donates it
+  eval_step: Callable  # jitted (stored state, batch) -> {'top1', 'top5', 'count'}
 
 
-def _gradient_averaging(config: ml_collections.ConfigDict) -> Callable | None:
+def gradient_averaging(config: ml_collections.ConfigDict) -> Callable | None:
   """The ``average_gradients`` of ``make_train_step``: ``tc.all_reduce_gradients`` with the
   configured implementation, or None when the sharded optimizer averages them itself."""
   if config.weight_update_sharding:
     return None
-  return functools.partial(tc.all_reduce_gradients, implementation=config.grad_implementation)
+  return functools.partial(
+    tc.all_reduce_gradients,
+    bucket_bytes=config.grad_bucket_bytes,
+    implementation=config.grad_implementation,
+  )
 
 
 def _build_program(
@@ -563,6 +629,7 @@ def _build_program(
       image_size=config.image_size,
       bn_group_size=bn_group_size(config, mesh.devices.size),
     )
+  layout = params_layout(config, model, tx, mesh, jax.eval_shape(init_fn, key))
   train_step = make_train_step(
     model,
     tx,
@@ -570,13 +637,15 @@ def _build_program(
     mesh,
     num_classes=data.train.num_classes,
     label_smoothing=config.label_smoothing,
-    average_gradients=_gradient_averaging(config),
+    average_gradients=gradient_averaging(config),
     opt_state_spec=opt_state_spec,
+    layout=layout,
   )
   return _Program(
     init_fn=init_fn,
     key=key,
     state_sharding=jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_spec),
+    layout=layout,
     train_step=jax.jit(train_step, donate_argnums=0),
     eval_step=make_eval_step(model, mesh, state_spec),
   )
@@ -756,11 +825,13 @@ def _log_evaluate_and_save(
   scalars.update(
     images_per_second=run.reporter.throughput.measure(), skipped_images=run.reporter.skipped
   )
-  evaluation = run.evaluate(state) if run.data.schedule.evaluates(step) else None
+  evaluates, saves = run.data.schedule.evaluates(step), run.data.schedule.saves(step, stop_code)
+  stored = run.program.layout.to_stored(state) if evaluates or saves else None
+  evaluation = run.evaluate(stored) if evaluates else None
   scalars.update(evaluation or {})
   run.reporter.write(step, scalars)
-  if run.data.schedule.saves(step, stop_code):
-    run.store.save(step, state)
+  if saves:
+    run.store.save(step, stored)
   run.reporter.throughput.restart()  # evaluation and saving are not counted
   return evaluation
 

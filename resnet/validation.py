@@ -120,9 +120,11 @@ RULES = {
   "lars_trust_coefficient": _POSITIVE,
   "lars_eps": _NON_NEGATIVE,
   "label_smoothing": _real_in(0, 1, open_high=True),
-  "grad_implementation": _NONEMPTY_STR,  # the runtime check names the implementations
+  "grad_implementation": _NONEMPTY_STR,
+  "grad_bucket_bytes": _int_at_least(1),  # the runtime check names the implementations
   "tune": _BOOL,
   "weight_update_sharding": _BOOL,
+  "defer_weight_gather": _BOOL,
   "xla_overlap_settings": _BOOL,
   "seed": (lambda v: _is_int(v) and 0 <= v < 2**30, "an integer in [0, 2**30)"),
   "log_every_steps": _int_at_least(1),
@@ -176,6 +178,11 @@ def validate_config(config: ml_collections.ConfigDict, *, num_devices: int | Non
       problems.append(f"config.{name} is missing; it must be {valid}.")
     elif not ok(config[name]):
       problems.append(f"config.{name}={config[name]!r} is invalid; it must be {valid}.")
+  if not problems and config.defer_weight_gather and not config.weight_update_sharding:
+    problems.append(
+      "config.defer_weight_gather=True needs config.weight_update_sharding=True (only the "
+      "sharded optimizer leaves the new weights as shards to gather later)."
+    )
   if num_devices is not None and not problems:  # the runtime checks assume sane types
     problems += _runtime_problems(config, num_devices)
   if problems:

@@ -73,8 +73,10 @@ def local_grads(params, step):
 
 def step_fn(mesh, name: str, *, sharded: bool, implementation: str = "xla", gather="params"):
   """One jitted step ``(params, opt_state, step) -> (params, opt_state)`` over ``mesh``;
-  sharded, it all-gathers the new parameters (``apply_gradients``) or, with
-  ``gather="updates"``, the updates (``update``)."""
+  sharded, it all-gathers the new parameters (``apply_gradients``), or with
+  ``gather="updates"`` the updates (``update``), or with ``gather="deferred"`` carries each
+  device's parameter shards from step to step (``apply_gradients(..., gather=False)``) and
+  gathers them at the start of the next (``gather_params``, buckets in ``GATHER_ORDER``)."""
   if sharded:
     tx = tc.sharded_update(transform(name), AXES, implementation=implementation)
     state_spec = P(AXES)
@@ -82,6 +84,10 @@ def step_fn(mesh, name: str, *, sharded: bool, implementation: str = "xla", gath
     tx, state_spec = transform(name), P()
 
   def body(params, opt_state, step):
+    if gather == "deferred":
+      params = tx.gather_params(params, abstract_params(), order=GATHER_ORDER)
+      grads = local_grads(params, step)
+      return tx.apply_gradients(grads, opt_state, params, gather=False)
     grads = local_grads(params, step)
     if sharded and gather == "params":
       return tx.apply_gradients(grads, opt_state, params)
@@ -91,10 +97,28 @@ def step_fn(mesh, name: str, *, sharded: bool, implementation: str = "xla", gath
     return optax.apply_updates(params, updates), opt_state
 
   init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=state_spec))
+  params_spec = P(AXES) if gather == "deferred" else P()
   step = jax.jit(
-    jax.shard_map(body, mesh=mesh, in_specs=(P(), state_spec, P()), out_specs=(P(), state_spec))
+    jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=(params_spec, state_spec, P()),
+      out_specs=(params_spec, state_spec),
+    )
   )
   return init, step
+
+
+# Leaves in jax.tree.flatten order: bn bias, bn scale, conv kernel, dense bias, dense kernel.
+GATHER_ORDER = (2, 1, 0, 4, 3)  # the forward pass's: conv, bn, dense
+
+
+def abstract_params():
+  return jax.tree.map(
+    lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32),
+    SHAPES,
+    is_leaf=lambda s: type(s) is tuple,
+  )
 
 
 def run(mesh, name: str, steps: int, *, sharded: bool, implementation="xla", gather="params"):
@@ -102,6 +126,13 @@ def run(mesh, name: str, steps: int, *, sharded: bool, implementation="xla", gat
   init, step = step_fn(mesh, name, sharded=sharded, implementation=implementation, gather=gather)
   params = initial_params(mesh)
   opt_state = init(params)
+  if gather == "deferred":
+    tx = tc.sharded_update(transform(name), AXES, implementation=implementation)
+    shard_map = functools.partial(jax.shard_map, mesh=mesh)
+    params = jax.jit(shard_map(tx.shard_params, in_specs=P(), out_specs=P(AXES)))(params)
   for i in range(steps):
     params, opt_state = step(params, opt_state, jnp.int32(i))
+  if gather == "deferred":
+    gather_all = lambda shards: tx.gather_params(shards, abstract_params())
+    params = jax.jit(shard_map(gather_all, in_specs=P(AXES), out_specs=P()))(params)
   return params, opt_state

@@ -90,7 +90,7 @@ def test_libtpu_flags_keep_the_users_values():
   merged = xla_settings.libtpu_init_args("--xla_enable_async_all_reduce=false --other=1")
   flags = merged.split()
   assert "--xla_enable_async_all_reduce=false" in flags and "--other=1" in flags
-  assert "--xla_jf_crs_combiner_threshold_in_bytes=0" in flags
+  assert f"--xla_jf_crs_combiner_threshold_in_bytes={xla_settings.COMBINE_BELOW_BYTES}" in flags
   assert len(flags) == len(xla_settings.OVERLAP_FLAGS) + 1
 
 
@@ -100,26 +100,15 @@ def test_settings_refuse_once_a_backend_runs():
     xla_settings.apply({})
 
 
-@pytest.mark.parametrize("implementation", ["xla", "shard_map"])
-def test_buckets_follow_the_backward_pass(implementation):
-  """The last layer's gradient is produced first by the backward pass, so its bucket's
-  collective comes first in the program; the tree's own order would put "a" first."""
-  mesh = tc.make_torus_mesh((2, 4))
-  shapes = {"a": (3, 4), "b": (4, 5), "c": (5, 6)}
-  params = {k: jnp.ones(s) for k, s in shapes.items()}
-
-  def step(params, x):
-    grads = jax.grad(lambda p: jnp.sum(x @ p["a"] @ p["b"] @ p["c"]))(params)
-    return tc.all_reduce_gradients(grads, ("x", "y"), bucket_bytes=1, implementation=implementation)
-
-  f = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(("x", "y"))), out_specs=P())
-  jaxpr = jax.make_jaxpr(f)(params, jnp.ones((8, 3)))
-  shapes_in_order = []
+def _collective_operand_shapes(jaxpr, primitives) -> list[tuple[int, ...]]:
+  """The operand shapes of every ``primitives`` equation, in program order, nested
+  jaxprs included."""
+  shapes = []
 
   def walk(jaxpr):
     for eqn in jaxpr.eqns:
-      if eqn.primitive.name in ("psum", "psum_invariant", "torus_all_reduce"):
-        shapes_in_order.append(tuple(eqn.invars[0].aval.shape))
+      if eqn.primitive.name in primitives:
+        shapes.append(tuple(eqn.invars[0].aval.shape))
       for value in eqn.params.values():
         if hasattr(value, "eqns"):
           walk(value)
@@ -127,5 +116,59 @@ def test_buckets_follow_the_backward_pass(implementation):
           walk(value.jaxpr)
 
   walk(jaxpr.jaxpr)
+  return shapes
+
+
+SHAPES = {"a": (3, 4), "b": (4, 5), "c": (5, 6)}
+
+
+def _grads(params, x):
+  return jax.grad(lambda p: jnp.sum(x @ p["a"] @ p["b"] @ p["c"]))(params)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "shard_map"])
+def test_buckets_follow_the_backward_pass(implementation):
+  """The last layer's gradient is produced first by the backward pass, so its bucket's
+  collective comes first in the program; the tree's own order would put "a" first."""
+  mesh = tc.make_torus_mesh((2, 4))
+  params = {k: jnp.ones(s) for k, s in SHAPES.items()}
+
+  def step(params, x):
+    grads = _grads(params, x)
+    return tc.all_reduce_gradients(grads, ("x", "y"), bucket_bytes=1, implementation=implementation)
+
+  f = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(("x", "y"))), out_specs=P())
+  jaxpr = jax.make_jaxpr(f)(params, jnp.ones((8, 3)))
+  shapes = _collective_operand_shapes(jaxpr, ("psum", "psum_invariant", "torus_all_reduce"))
   flat = {(5, 6): "c", (30,): "c", (4, 5): "b", (20,): "b", (3, 4): "a", (12,): "a"}
-  assert list(dict.fromkeys(flat[s] for s in shapes_in_order)) == ["c", "b", "a"]
+  assert list(dict.fromkeys(flat[s] for s in shapes)) == ["c", "b", "a"]
+
+
+@pytest.mark.parametrize("implementation", ["xla", "shard_map"])
+def test_sharded_update_reduce_scatters_in_backward_order(implementation):
+  """Weight-update sharding's reduce-scatters follow the backward pass too (last layer
+  first), though its layout is read from the parameters, which are the step's inputs."""
+  optax = pytest.importorskip("optax")
+  mesh = tc.make_torus_mesh((2, 4))
+  tx = tc.sharded_update(optax.sgd(0.1), ("x", "y"), bucket_bytes=1, implementation=implementation)
+  params = {k: jnp.ones(s) for k, s in SHAPES.items()}
+
+  def step(params, x):
+    return tx.apply_gradients(_grads(params, x), tx.init(params), params)[0]
+
+  f = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(("x", "y"))), out_specs=P())
+  jaxpr = jax.make_jaxpr(f)(params, jnp.ones((8, 3)))
+  shapes = _collective_operand_shapes(jaxpr, ("reduce_scatter", "torus_reduce_scatter"))
+  # Each leaf padded to [8, ceil(size / 8)] and flattened: c 30 -> 32, b 20 -> 24, a 12 -> 16.
+  assert shapes == [(32,), (24,), (16,)]
+
+
+def test_first_use_order_is_the_forward_pass_order():
+  params = {"a": jnp.ones((2, 2)), "b": jnp.ones((2, 2)), "unused": jnp.ones(3)}
+  order = tc.packing.first_use_order(lambda p, x: x @ p["b"] @ p["a"], params, jnp.ones((1, 2)))
+  assert order == [1, 0, 2]
+  leaves = jax.tree.leaves(params)
+  assert tc.packing.buckets_by_size(leaves, 16, order) == [[1], [0], [2]]
+  assert tc.packing.buckets_by_size(leaves, 32, order) == [[1, 0], [2]]
+  with pytest.raises(ValueError, match="every leaf index"):
+    tc.packing.buckets_by_size(leaves, 16, [0, 1])

@@ -79,7 +79,9 @@ def test_weight_update_sharding_is_on_at_scale_and_off_for_digits():
 @pytest.mark.slow
 def test_weight_update_sharding_matches_replicated_lars_in_the_train_step():
   """Two train steps of a tiny ResNet: sharded LARS state, same weights as replicated LARS
-  (within float32 rounding: the sharded trust ratio sums its norms in another order)."""
+  (within float32 rounding: the sharded trust ratio sums its norms in another order); with
+  the weight gather deferred to the next step (``config.defer_weight_gather``), bitwise the
+  weights of the sharded steps, the running state holding one shard of them per device."""
   mesh = tc.make_torus_mesh((2, 4))
   axes = mesh.axis_names
   model = models.create_model(
@@ -96,9 +98,11 @@ def test_weight_update_sharding_matches_replicated_lars_in_the_train_step():
   )
   variables = model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)), train=False)
   results = {}
-  for sharded in (False, True):
+  for variant in ("replicated", "sharded", "deferred"):
     config = default.get_config()
-    config.weight_update_sharding = sharded
+    config.weight_update_sharding = sharded = variant != "replicated"
+    config.defer_weight_gather = variant == "deferred"
+    config.image_size = 16
     tx, spec = optim.create_optimizer(config, learning_rate_fn, axes)
     init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=spec))
     state = train.TrainState(
@@ -107,6 +111,9 @@ def test_weight_update_sharding_matches_replicated_lars_in_the_train_step():
       batch_stats=variables["batch_stats"],
       opt_state=init(variables["params"]),
     )
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    layout = train.params_layout(config, model, tx, mesh, abstract)
+    state = layout.to_running(state)
     average = None if sharded else tc.all_reduce_gradients
     step = jax.jit(
       train.make_train_step(
@@ -118,14 +125,21 @@ def test_weight_update_sharding_matches_replicated_lars_in_the_train_step():
         label_smoothing=0.1,
         average_gradients=average,
         opt_state_spec=spec,
+        layout=layout,
       )
     )
     for _ in range(2):
       state, _ = step(state, batch)
-    results[sharded] = state
-  for leaf in jax.tree.leaves(results[True].opt_state):
+    if variant == "deferred":
+      assert all(leaf.sharding.spec == P(axes) for leaf in jax.tree.leaves(state.params))
+    results[variant] = layout.to_stored(state)
+  for leaf in jax.tree.leaves(results["sharded"].opt_state):
     assert leaf.sharding.spec == P(axes)
-  for ours, ref in zip(
-    jax.tree.leaves(results[True].params), jax.tree.leaves(results[False].params)
+  for ours, deferred, ref in zip(
+    jax.tree.leaves(results["sharded"].params),
+    jax.tree.leaves(results["deferred"].params),
+    jax.tree.leaves(results["replicated"].params),
+    strict=True,
   ):
     np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(deferred), np.asarray(ours))

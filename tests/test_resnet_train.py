@@ -164,6 +164,26 @@ def test_sigterm_checkpoints_and_resume_is_bitwise_equal(full_run, data_dir, tmp
   assert _losses(tmp_path) == _losses(full_run[0])
 
 
+def test_a_deferred_weight_gather_checkpoints_whole_weights_and_resumes(data_dir, tmp_path):
+  """Weight-update sharding with the gather deferred to the next step: the running state
+  holds weight shards, but every checkpoint holds the whole weights (each leaf the model's
+  shape), and a run of the same config resumes from it."""
+  config = tiny_config(data_dir, weight_update_sharding=True, defer_weight_gather=True)
+  config.num_train_steps = 3
+  first = train.train_and_evaluate(config, str(tmp_path))
+  assert first["step"] == 3
+  model = train.create_model(config, 10, train.create_mesh(config))
+  shapes = jax.eval_shape(
+    lambda: model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)), train=False)["params"]
+  )
+  saved = _final_state(tmp_path, step=3)["params"]
+  assert jax.tree.map(jnp.shape, saved) == jax.tree.map(jnp.shape, shapes)
+  config.num_train_steps = 4
+  resumed = train.train_and_evaluate(config, str(tmp_path))
+  assert resumed["step"] == 4 and _steps(tmp_path) == [1, 2, 3, 4]
+  assert all(np.isfinite(list(_losses(tmp_path).values())))
+
+
 def _largest_file(step_dir):
   files = [p for p in step_dir.rglob("*") if p.is_file() and p.name != checkpoints.DIGESTS]
   return max(files, key=lambda p: p.stat().st_size)

@@ -55,12 +55,15 @@ def test_matches_unsharded_optimizer(name, implementation):
   )
 
 
-def test_gathering_updates_equals_gathering_parameters():
-  """``update`` + ``optax.apply_updates`` is the same step as ``apply_gradients``."""
+@pytest.mark.parametrize("gather", ["updates", "deferred"])
+def test_every_way_of_gathering_is_the_same_step(gather):
+  """``update`` + ``optax.apply_updates``, and the new weights kept as shards and gathered
+  at the start of the next step (buckets in forward order), are the same steps as
+  ``apply_gradients``: bitwise, since a gather moves values without arithmetic."""
   mesh = harness.mesh((2, 4))
-  updates = cases.run(mesh, "lars", 2, sharded=True, gather="updates")
-  params = cases.run(mesh, "lars", 2, sharded=True, gather="params")
-  _assert_trees_close(updates, params, bitwise=True)
+  ours = cases.run(mesh, "lars", 3, sharded=True, gather=gather)
+  params = cases.run(mesh, "lars", 3, sharded=True, gather="params")
+  _assert_trees_close(ours, params, bitwise=True)
 
 
 @pytest.mark.interpret

@@ -38,7 +38,7 @@ def production_order(leaves) -> list[int] | None:
   frames = {id(getattr(getattr(leaf, "_trace", None), "frame", None)) for leaf in leaves}
   if len(frames) != 1 or not leaves:
     return None
-  frame = getattr(leaves[0]._trace, "frame", None)
+  frame = getattr(getattr(leaves[0], "_trace", None), "frame", None)
   eqns = getattr(frame, "tracing_eqns", None)
   if eqns is None:
     return None

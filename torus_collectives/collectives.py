@@ -121,6 +121,12 @@ def _request(op: str, leaves, axis_name, groups, to) -> registry.Request:
   )
 
 
+def request(op: str, leaves, axis_name: AxisName) -> registry.Request:
+  """The ``registry.Request`` of ``op`` on ``leaves`` over ``axis_name`` (no replica
+  groups), as the op itself would build it: for callers that resolve once for many calls."""
+  return _request(op, leaves, axis_name, None, "varying")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Call:
   """One collective call that a torus implementation runs: its request and backend."""

@@ -10,14 +10,16 @@ With ``transport_dtype`` (e.g. bfloat16) the buckets travel in that dtype; the t
 implementations still accumulate floating-point partial sums in float32.
 
 The torus implementations pack each bucket into one flat buffer (the layout of
-``packing``). When the implementation is XLA (what "auto" picks unless the tuner measured
-otherwise for this tree's size, as op ``all_reduce_gradients``: the one rule,
-``registry.resolve``), each bucket's leaves go to one variadic ``lax.psum`` /
-``lax.pmean``, with no concatenate or slice copies, and equal ``lax.pmean`` of the tree
-bitwise. Under XLA's default flags the TPU all-reduce combiner may merge them again
-(it merges ``lax.pmean`` of a whole ResNet-50 gradient into one collective after the
-backward pass); ``torus_collectives.xla_settings`` has the flags that keep them apart and
-let XLA run them asynchronously.
+``packing``) and reduce it with one collective. When the implementation is XLA (what
+"auto" picks unless the tuner measured otherwise for this tree's size, as op
+``all_reduce_gradients``: the one rule, ``registry.resolve``), each bucket's leaves go to
+one variadic ``lax.psum`` / ``lax.pmean``, with no concatenate or slice copies, and equal
+``lax.pmean`` of the tree bitwise. jax lowers that to one all-reduce per leaf, and XLA's
+TPU compiler decides the rest: under its default flags its combiner merges a whole
+ResNet-50 gradient into one synchronous collective after the backward pass; under
+``torus_collectives.xla_settings`` it merges only the small ones and runs the others
+asynchronously, each as soon as the backward pass has produced its leaf (it overlaps
+single arrays that a fusion computes, not packed buffers: see that module).
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ from torus_collectives import axes, packing, registry
 from torus_collectives.collectives import AxisName, all_reduce
 
 DEFAULT_BUCKET_BYTES = 32 * 2**20
+# The named scopes (``jax.named_scope``) of the data-parallel step's collectives: every
+# op of a gradient summation (here, and ``sharded_update``'s reduce-scatter) and of
+# ``sharded_update``'s weight all-gather carries one in its compiled ``op_name``, which is
+# how ``bench.overlap_report`` tells them from the step's other collectives.
+GRADIENT_SCOPE = "gradient_summation"
+WEIGHT_GATHER_SCOPE = "weight_gather"
 
 
 def _check_arguments(leaves, bucket_bytes, transport_dtype) -> None:
@@ -62,8 +70,7 @@ def _request(wire: list[jax.Array], torus: tuple[int, ...]) -> registry.Request:
 
 
 def _on_lax(leaves, wire, buckets, axis_name, mean, scale, transport_dtype) -> list[jax.Array]:
-  """One variadic lax collective per bucket, on the leaves themselves (no packing copy):
-  each can be scheduled as soon as its bucket's gradients exist."""
+  """One variadic lax collective per bucket, on the leaves themselves (no packing copy)."""
   out: list[jax.Array | None] = [None] * len(leaves)
   for bucket in buckets:
     if transport_dtype is None:
@@ -96,22 +103,24 @@ def all_reduce_gradients(
   names = axes.names(axis_name)
   leaves, treedef = jax.tree.flatten(tree)
   _check_arguments(leaves, bucket_bytes, transport_dtype)
-  wire = [leaf if transport_dtype is None else leaf.astype(transport_dtype) for leaf in leaves]
   torus = tuple(lax.axis_size(a) for a in names)
   scale = 1.0 / math.prod(torus) if mean else 1.0
-  implementation = registry.resolve(implementation, _request(wire, torus))
-  buckets = packing.buckets_by_size(wire, bucket_bytes)
-  if registry.runs_lax(implementation):
-    out = _on_lax(leaves, wire, buckets, axis_name, mean, scale, transport_dtype)
-    return jax.tree.unflatten(treedef, out)
-  summed = packing.through_buckets(
-    lambda flat: all_reduce(flat, names, implementation=implementation),
-    [w.reshape(-1) for w in wire],
-    buckets,
-    [w.size for w in wire],
-  )
-  out = [
-    (part.reshape(leaf.shape).astype(jnp.float32) * scale).astype(leaf.dtype)
-    for part, leaf in zip(summed, leaves)
-  ]
+  with jax.named_scope(GRADIENT_SCOPE):
+    wire = [leaf if transport_dtype is None else leaf.astype(transport_dtype) for leaf in leaves]
+    implementation = registry.resolve(implementation, _request(wire, torus))
+    # The gradients' own order (the casts to the transport dtype run in tree order).
+    buckets = packing.buckets_by_size(wire, bucket_bytes, packing.computed_order(leaves))
+    if registry.runs_lax(implementation):
+      out = _on_lax(leaves, wire, buckets, axis_name, mean, scale, transport_dtype)
+    else:
+      summed = packing.through_buckets(
+        lambda flat: all_reduce(flat, names, implementation=implementation),
+        [w.reshape(-1) for w in wire],
+        buckets,
+        [w.size for w in wire],
+      )
+      out = [
+        (part.reshape(leaf.shape).astype(jnp.float32) * scale).astype(leaf.dtype)
+        for part, leaf in zip(summed, leaves)
+      ]
   return jax.tree.unflatten(treedef, out)

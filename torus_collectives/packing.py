@@ -34,6 +34,7 @@ import math
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 from torus_collectives import _jax_internals as jax_internals
@@ -48,19 +49,31 @@ def buckets_by_dtype(leaves: Sequence[jax.Array]) -> list[list[int]]:
   return list(buckets.values())
 
 
-def buckets_by_size(leaves: Sequence[jax.Array], bucket_bytes: int) -> list[list[int]]:
-  """Greedy packing of leaf indices, one dtype per bucket, in the order the traced program
-  computed the leaves: for gradients, the order the backward pass produces them, last
-  layers first, so each bucket's collective can start while earlier layers are still
-  being differentiated. Leaves that are not computed in the traced program (inputs,
-  concrete arrays) keep the tree's order."""
-  order = jax_internals.production_order(leaves)
-  indices = sorted(range(len(leaves)), key=order.__getitem__) if order else range(len(leaves))
+def computed_order(leaves: Sequence[jax.Array]) -> list[int] | None:
+  """Leaf indices in the order the enclosing traced program computed the leaves (for
+  gradients, the backward pass's: last layers first), or None when some leaf was not
+  computed there (an input, a concrete array)."""
+  produced = jax_internals.production_order(leaves)
+  return None if produced is None else sorted(range(len(leaves)), key=produced.__getitem__)
+
+
+def buckets_by_size(
+  leaves: Sequence[jax.Array], bucket_bytes: int, order: Sequence[int] | None = None
+) -> list[list[int]]:
+  """Greedy packing of leaf indices into buckets of at most ``bucket_bytes`` (a larger leaf
+  gets one of its own), one dtype per bucket, filled in ``order`` (every leaf index once):
+  by default ``computed_order``, so that for gradients each bucket's collective can start
+  while earlier layers are still being differentiated, or the tree's order where that is
+  not known. Leaves need only ``shape`` and ``dtype``."""
+  if order is None:
+    order = computed_order(leaves) or range(len(leaves))
+  elif sorted(order) != list(range(len(leaves))):
+    raise ValueError(f"order must hold every leaf index 0..{len(leaves) - 1} once, got {order}")
   buckets: list[list[int]] = []
   size = 0
-  for i in indices:
+  for i in order:
     leaf = leaves[i]
-    nbytes = leaf.size * leaf.dtype.itemsize
+    nbytes = math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
     same_dtype = buckets and leaves[buckets[-1][0]].dtype == leaf.dtype
     if same_dtype and size + nbytes <= bucket_bytes:
       buckets[-1].append(i)
@@ -69,6 +82,24 @@ def buckets_by_size(leaves: Sequence[jax.Array], bucket_bytes: int) -> list[list
       buckets.append([i])
       size = nbytes
   return buckets
+
+
+def first_use_order(fn: Callable, tree, *args) -> list[int]:
+  """Leaf indices of ``tree`` (in ``jax.tree.flatten`` order) sorted by where the traced
+  ``fn(tree, *args)`` first reads each leaf: for parameters and a model's forward pass,
+  the order in which the layers need their weights (leaves it never reads come last, in
+  tree order). ``buckets_by_size(..., order=...)`` with it fills buckets first layers
+  first, so that a gather of the weights can run ahead of the layers that need them."""
+  closed = jax.make_jaxpr(fn)(tree, *args)
+  count = len(jax.tree.leaves(tree))
+  leaf_of = {var: i for i, var in enumerate(closed.jaxpr.invars[:count])}
+  first: dict[int, int] = {}
+  for position, eqn in enumerate(closed.jaxpr.eqns):
+    for var in eqn.invars:
+      if not isinstance(var, jax.extend.core.Literal) and var in leaf_of:
+        first.setdefault(leaf_of[var], position)
+  never = len(closed.jaxpr.eqns)
+  return sorted(range(count), key=lambda i: (first.get(i, never), i))
 
 
 def as_rows(x: jax.Array, rows: int) -> jax.Array:

@@ -1,26 +1,38 @@
 """The XLA/libtpu settings under which gradient collectives overlap the backward pass.
 
-By default XLA's TPU all-reduce combiner merges every gradient all-reduce of a step into
-one synchronous collective, placed after the last backward convolution: the whole
-gradient sum is on the critical path. With the flags below (read by libtpu when it
-loads; MaxText documents them), compiled ahead of time for v5e:4x4, the ``lax.pmean``
-of a ResNet-50 step's gradients (batch 32 per replica) is no longer merged: 66 of its
-all-reduces, holding most of the gradient's bytes, become ``async-collective-start``/
-``-done`` pairs with compute scheduled between them, and 197 small ones stay synchronous
-(compiler output; how much time that hides is what ``bench.overlap_report`` estimates):
+What XLA's TPU compiler does (libtpu 0.0.50, compiled ahead of time for v5e; compiler
+output, read with ``bench.hlo_schedule``):
 
-* ``--xla_jf_crs_combiner_threshold_in_bytes=0``: do not merge all-reduces;
-* ``--xla_tpu_enable_async_collective_fusion`` (with ``_fuse_all_reduce`` and
-  ``_multiple_steps``): run collectives asynchronously, their steps fused into the
-  compute fusions between start and done;
+* **Default flags.** Its all-reduce combiner merges every gradient all-reduce of a step
+  into one synchronous collective, placed after the last backward convolution: the whole
+  gradient sum is on the critical path.
+* **With the flags below.** An all-reduce whose operand is a single array computed by a
+  fusion (a layer's weight gradient) becomes an ``async-collective-start``/``-done`` pair,
+  and XLA moves the next layers' weight-gradient fusions into the window between them. A
+  packed buffer (a concatenate) or a combined (tuple) all-reduce stays synchronous and is
+  scheduled after the backward pass, so on XLA the package hands the compiler single
+  leaves (``all_reduce_gradients``; ``sharded_update``'s reduce-scatters and gathers),
+  never packed buckets. The combiner still merges leaves below ``COMBINE_BELOW_BYTES``
+  (batch-norm scales and biases), which would otherwise each pay a collective's latency,
+  synchronously. In ResNet-50 the 9 MiB float32 kernels of the last stage stay
+  synchronous too, for reasons the compiler does not print.
+  ``tests/test_overlap_compiled.py`` checks the first two facts on a small MLP; what the
+  overlap hides in a ResNet-50 step is what ``python -m bench.overlap_report`` estimates.
+
+The flags:
+
+* ``--xla_jf_crs_combiner_threshold_in_bytes``: merge only all-reduces below
+  ``COMBINE_BELOW_BYTES``;
+* ``--xla_tpu_enable_async_collective_fusion`` (with ``_fuse_all_reduce``,
+  ``_fuse_all_gather``, ``_fuse_reduce_scatter`` and ``_multiple_steps``): run collectives
+  asynchronously, their steps fused into the compute fusions between start and done;
 * ``--xla_tpu_overlap_compute_collective_tc``: let the TensorCore compute meanwhile;
-* ``--xla_enable_async_all_reduce``: all-reduces as start/done pairs.
+* ``--xla_enable_async_all_reduce``, ``--xla_enable_async_all_gather``: start/done pairs.
 
 libtpu reads ``LIBTPU_INIT_ARGS`` once, when jax first starts a backend: call ``apply()``
 before any jax computation (``python -m resnet`` does, on TPU configs). An unknown flag
 aborts libtpu's start, so the flags are only those this package was compiled against
-(libtpu of the ``tpu`` extra). Whether the overlap pays is what
-``python -m bench.overlap_report`` estimates; nothing here has run on a TPU.
+(libtpu of the ``tpu`` extra). Nothing here has run on a TPU.
 """
 
 from __future__ import annotations
@@ -31,13 +43,17 @@ from collections.abc import MutableMapping
 from torus_collectives import _jax_internals as jax_internals
 
 ENV_VAR = "LIBTPU_INIT_ARGS"
+COMBINE_BELOW_BYTES = 2**20
 OVERLAP_FLAGS = (
-  "--xla_jf_crs_combiner_threshold_in_bytes=0",
+  f"--xla_jf_crs_combiner_threshold_in_bytes={COMBINE_BELOW_BYTES}",
   "--xla_tpu_enable_async_collective_fusion=true",
   "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true",
+  "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+  "--xla_tpu_enable_async_collective_fusion_fuse_reduce_scatter=true",
   "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
   "--xla_tpu_overlap_compute_collective_tc=true",
   "--xla_enable_async_all_reduce=true",
+  "--xla_enable_async_all_gather=true",
 )
 
 

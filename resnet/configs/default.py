@@ -58,6 +58,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.label_smoothing = 0.1
   # Gradient summation backend of torus_collectives ('auto', 'xla', 'shard_map', ...).
   c.grad_implementation = "auto"
+  # Largest gradient bucket of the torus implementations (one collective each; on XLA each
+  # leaf is its own collective, see torus_collectives.xla_settings). Measure a change with
+  # python -m bench.overlap_report --bucket-mib.
+  c.grad_bucket_bytes = 32 * 2**20
   # Time the gradient summation and batch norms of this model on this mesh before training
   # (resnet/pretune.py); 'auto' runs a torus implementation once it beat XLA with confidence
   # here in two runs from different processes (this one and an earlier one in the cache).
@@ -66,6 +70,11 @@ def get_config() -> ml_collections.ConfigDict:
   # run LARS on each device's 1/p of the weights, all-gather the updates. Same bytes on
   # the wire; optimizer FLOPs and state per device / p.
   c.weight_update_sharding = False
+  # With weight-update sharding: keep each device's shard of the new weights and all-gather
+  # them at the start of the next step, one bucket at a time in the order the forward pass
+  # needs them, so the gather can overlap the forward pass (ZeRO's parameter prefetch).
+  # Checkpoints and evaluation still see the whole, replicated weights.
+  c.defer_weight_gather = False
   # Pass libtpu the flags under which gradient collectives stay apart and asynchronous,
   # overlapping the backward pass (torus_collectives.xla_settings); read only on TPU.
   c.xla_overlap_settings = False

@@ -47,6 +47,7 @@ def get_config(global_batch: int = 4096):
   c.base_learning_rate, c.warmup_epochs = lars_hyperparameters(global_batch)
   c.weight_decay = 1e-4
   c.weight_update_sharding = True
+  c.defer_weight_gather = True
   c.xla_overlap_settings = True  # libtpu flags for async gradient collectives
   c.log_every_steps = 100
   c.eval_every_epochs = 4.0

@@ -23,8 +23,17 @@ runs on every replica over all the weights (one FLOP per weight, all of them).
 Layout (``packing``'s). Every leaf is flattened, zero-padded to a multiple of p and viewed
 as ``[p, m]`` (``m = ceil(size / p)``); row d is device d's shard. Leaves are grouped into
 flat buckets as ``all_reduce_gradients`` groups them (``packing.buckets_by_size``, one
-dtype per bucket), and a bucket is the ``[p, sum m]`` concatenation of its leaves' rows,
-so one tiled reduce-scatter hands device d row d: a static-shaped shard of *every* leaf.
+dtype per bucket, in the order the backward pass produced the gradients, so each bucket's
+reduce-scatter can start while the backward pass goes on), and a bucket is the
+``[p, sum m]`` concatenation of its leaves' rows, so one tiled reduce-scatter hands device
+d row d: a static-shaped shard of *every* leaf. Where the collectives resolve to lax, each
+leaf is a bucket of its own (XLA overlaps single arrays, not packed buffers; see
+``torus_collectives.xla_settings``).
+
+Deferred gather. ``apply_gradients(..., gather=False)`` keeps this device's shard of the
+new weights; the next step's ``gather_params`` all-gathers them, one bucket at a time in
+the order its forward pass first reads them, so the gather can overlap the forward pass
+(ZeRO's parameter prefetch). Bitwise the same steps: a gather does no arithmetic.
 The tree keeps the parameters' structure, so masks (callables on the tree or trees of
 booleans, e.g. LARS's kernel-only weight decay and trust ratio) select exactly the leaves
 they select unsharded.
@@ -83,11 +92,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from torus_collectives import axes, packing
+from torus_collectives import axes, collectives, packing, registry
 from torus_collectives._optional import require
 from torus_collectives._vma import mark_invariant
 from torus_collectives.collectives import AxisName, all_gather, reduce_scatter
-from torus_collectives.gradients import DEFAULT_BUCKET_BYTES
+from torus_collectives.gradients import DEFAULT_BUCKET_BYTES, GRADIENT_SCOPE, WEIGHT_GATHER_SCOPE
 from torus_collectives.layout import ceil_div
 from torus_collectives.registry import Implementation
 from torus_collectives.weight_update.interpreter import Interpreter, Sharded, Shards, replicated
@@ -106,10 +115,15 @@ class _Layout:
 
   @classmethod
   def of(cls, leaves: list[jax.Array], p: int, bucket_bytes: int) -> _Layout:
+    return cls.ordered(leaves, p, bucket_bytes)
+
+  @classmethod
+  def ordered(cls, leaves, p: int, bucket_bytes: int, order=None) -> _Layout:
+    """Buckets filled in ``order`` (leaf indices), or in ``buckets_by_size``'s order."""
     return cls(
-      shapes=tuple(leaf.shape for leaf in leaves),
-      shard_sizes=tuple(ceil_div(leaf.size, p) for leaf in leaves),
-      buckets=tuple(tuple(b) for b in packing.buckets_by_size(leaves, bucket_bytes)),
+      shapes=tuple(tuple(leaf.shape) for leaf in leaves),
+      shard_sizes=tuple(ceil_div(math.prod(leaf.shape), p) for leaf in leaves),
+      buckets=tuple(tuple(b) for b in packing.buckets_by_size(leaves, bucket_bytes, order)),
     )
 
 
@@ -124,11 +138,15 @@ def _check_floating(tree: Any, name: str) -> None:
 
 class ShardedUpdate(NamedTuple):
   """What ``sharded_update`` returns. ``init`` and ``update`` make it an optax gradient
-  transformation; ``apply_gradients`` is the same step returning the new parameters."""
+  transformation; ``apply_gradients`` is the same step returning the new parameters (or,
+  with ``gather=False``, this device's shards of them); ``shard_params`` and
+  ``gather_params`` convert between whole parameters and shards (deferred gather)."""
 
   init: Callable[[Any], Any]
   update: Callable[..., tuple[Any, Any]]
-  apply_gradients: Callable[[Any, Any, Any], tuple[Any, Any]]
+  apply_gradients: Callable[..., tuple[Any, Any]]
+  shard_params: Callable[[Any], Any]
+  gather_params: Callable[..., Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,11 +196,25 @@ def sharded_update(
     all-gathers the new parameters, so no device touches more than 1/p of the optimizer's
     arithmetic. Both equal what ``tx`` computes unsharded on the mean gradient, up to the
     order of float additions in its reductions.
+
+    Deferred gather (ZeRO's parameter prefetch): ``apply_gradients(grads, state, params,
+    gather=False)`` returns this device's ``[1, m]`` shard of every new leaf instead, and
+    the next step's ``gather_params(shards, like, order)`` all-gathers them, one bucket at a
+    time in ``order`` (``packing.first_use_order`` of the forward pass: the first layers'
+    weights first), so the gather can run while the forward pass computes. A gather moves
+    values without arithmetic: the steps are bitwise those of ``apply_gradients``.
+    ``shard_params(params)`` makes the first shards.
   """
   if bucket_bytes <= 0:
     raise ValueError(f"{bucket_bytes=} must be positive")
   sharding = _Sharding(tx, axis_name, bucket_bytes, implementation)
-  return ShardedUpdate(sharding.init, sharding.update, sharding.apply_gradients)
+  return ShardedUpdate(
+    sharding.init,
+    sharding.update,
+    sharding.apply_gradients,
+    sharding.shard_params,
+    sharding.gather_params,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,12 +253,15 @@ class _Sharding:
 
   def sharded_step(self, grads, state, params):
     """Reduce-scatter and the inner update on this device's shards: (step, the update's
-    shards, the new state)."""
+    shards, the new state). The reduce-scatter buckets follow the order in which the
+    traced program computed the gradients (the backward pass's), so each can start while
+    the rest of the backward pass runs."""
     if params is None:
       raise ValueError("sharded_update needs params: call update(grads, state, params)")
     step = self.setup(params)
     _check_floating(grads, "gradients")
     grad_leaves = step.treedef.flatten_up_to(grads)
+    step = dataclasses.replace(step, layout=_Layout.of(grad_leaves, step.p, self.bucket_bytes))
     grad_shards = _mean_shards(step, grad_leaves, self.implementation)
     whole_state = jax.eval_shape(self.tx.init, params)
     sharded = _sharded_state(self.tx, step, params, whole_state)
@@ -253,10 +288,38 @@ class _Sharding:
     step, update_shards, state = self.sharded_step(grads, state, params)
     return self.gather(step, update_shards), state
 
-  def apply_gradients(self, grads, state, params):
+  def apply_gradients(self, grads, state, params, *, gather=True):
     step, update_shards, state = self.sharded_step(grads, state, params)
     new_shards = optax.apply_updates(list(step.param_shards), update_shards)
+    if not gather:  # deferred: the next step's gather_params all-gathers them
+      return step.treedef.unflatten([x[None] for x in new_shards]), state
     return self.gather(step, new_shards), state
+
+  def shard_params(self, params):
+    """This device's shard of every leaf of the replicated ``params``, as ``[1, m]``."""
+    step = self.setup(params)
+    return step.treedef.unflatten([x[None] for x in step.param_shards])
+
+  def gather_params(self, param_shards, like, order=None):
+    """The whole parameters from their shards (``[1, m]`` leaves, as ``shard_params`` and
+    ``apply_gradients(..., gather=False)`` return them): one tiled all-gather per bucket,
+    the buckets filled in ``order`` (leaf indices, e.g. ``first_use_order`` of the forward
+    pass, so the first layers' weights arrive first) or in tree order. ``like`` gives the
+    leaves' shapes and dtypes (arrays or ``jax.ShapeDtypeStruct``)."""
+    names, torus = _bound_torus(self.axis_name)
+    shapes, treedef = jax.tree.flatten(like)
+    shards = treedef.flatten_up_to(param_shards)
+    p = math.prod(torus)
+    for shard, shape in zip(shards, shapes):
+      if shard.shape != (1, ceil_div(math.prod(shape.shape), p)):
+        raise ValueError(
+          f"a parameter shard of shape {shard.shape} does not belong to a leaf of shape "
+          f"{shape.shape} sharded over {p} devices: pass the shards that shard_params or "
+          "apply_gradients(..., gather=False) returned, and the parameters' shapes as like"
+        )
+    layout = _Layout.ordered(shapes, p, self.bucket_bytes, order)
+    step = _Step(names, p, layout, treedef, (), ())
+    return _all_gather_leaves(step, self.implementation, treedef.unflatten([s[0] for s in shards]))
 
 
 def _stored(step: _Step, value, shape, is_sharded: bool) -> jax.Array:
@@ -268,15 +331,29 @@ def _stored(step: _Step, value, shape, is_sharded: bool) -> jax.Array:
   return replicated(value)
 
 
+def _resolved_buckets(op: str, pieces, step: _Step, implementation: str):
+  """The implementation that runs ``op`` on all of ``pieces`` (resolved once, for the whole
+  tree), and the buckets it runs: the layout's, or one leaf each on lax, whose TPU
+  compiler overlaps a collective with compute only when its operand is a single array
+  computed by a fusion, never a packed buffer (``torus_collectives.xla_settings``)."""
+  implementation = registry.resolve(implementation, collectives.request(op, pieces, step.axes))
+  if registry.runs_lax(implementation):
+    return implementation, [[i] for bucket in step.layout.buckets for i in bucket]
+  return implementation, step.layout.buckets
+
+
 def _mean_shards(step: _Step, grad_leaves, implementation) -> list[jax.Array]:
   """This device's shard of the mean of every gradient leaf, one reduce-scatter a bucket."""
   layout, p = step.layout, step.p
-  summed = packing.through_buckets(
-    lambda flat: reduce_scatter(flat, step.axes, tiled=True, implementation=implementation),
-    [packing.as_rows(leaf, p) for leaf in grad_leaves],
-    layout.buckets,
-    layout.shard_sizes,
-  )
+  pieces = [packing.as_rows(leaf, p) for leaf in grad_leaves]
+  implementation, buckets = _resolved_buckets("reduce_scatter", pieces, step, implementation)
+  with jax.named_scope(GRADIENT_SCOPE):
+    summed = packing.through_buckets(
+      lambda flat: reduce_scatter(flat, step.axes, tiled=True, implementation=implementation),
+      pieces,
+      buckets,
+      layout.shard_sizes,
+    )
   # The mean, rounded as all_reduce_gradients rounds it.
   return [
     (piece.astype(jnp.float32) * (1.0 / p)).astype(leaf.dtype)
@@ -355,9 +432,9 @@ def _all_gather_leaves(step: _Step, implementation, shards):
     # Identical on every device: type it replicated, as a psum's result would be.
     return mark_invariant(gathered, step.axes)
 
-  rows = packing.through_buckets(
-    gather, pieces, step.layout.buckets, step.layout.shard_sizes, rows=step.p
-  )
+  implementation, buckets = _resolved_buckets("all_gather", pieces, step, implementation)
+  with jax.named_scope(WEIGHT_GATHER_SCOPE):
+    rows = packing.through_buckets(gather, pieces, buckets, step.layout.shard_sizes, rows=step.p)
   out = [
     packing.from_rows(r, shape).astype(leaf.dtype)
     for r, shape, leaf in zip(rows, step.layout.shapes, leaves)
