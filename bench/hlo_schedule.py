@@ -232,6 +232,7 @@ class Timeline:
   rows: tuple[CollectiveRow, ...]  # the collectives ``counts`` selected
   compute_s: float  # the TensorCore's estimated busy time
   others: tuple[CollectiveRow, ...] = ()  # the other collectives, timed too
+  step_s: float = 0.0  # the whole timeline: compute, and what no compute covered
 
   @property
   def communication_s(self) -> float:
@@ -322,4 +323,4 @@ def timeline(
       seconds = op.cycles / clock_hz
       now += seconds
       busy += seconds
-  return Timeline(tuple(rows), busy, tuple(others))
+  return Timeline(tuple(rows), busy, tuple(others), now)

@@ -46,6 +46,7 @@ ROWS = {
   "lax_torus, package settings": ("lax_torus", False, "package"),
   "pallas (blocking kernels)": ("pallas", False, "package"),
   "weight-update sharding, deferred gather": ("auto", True, "package"),
+  "weight-update sharding, default flags": ("auto", True, "default"),
 }
 
 
@@ -143,9 +144,15 @@ def calibrated_clock(mesh, generation: str, sizes=(2048, 4096, 8192)) -> float:
 PRICED = ("all_reduce", "reduce_scatter", "all_gather")  # what cost_model models
 
 
-def is_data_parallel(op) -> bool:
-  """A collective of the step's gradient summation or weight gather (by named scope)."""
-  return any(scope in op.op_name for scope in (GRADIENT_SCOPE, WEIGHT_GATHER_SCOPE))
+def is_data_parallel(op, mesh_axes) -> bool:
+  """A collective of the step's gradient summation or weight gather: one in their named
+  scopes, or one that XLA made itself (a combined or rewritten collective carries no
+  ``op_name``) over the whole mesh. XLA merges the gradient's small leaves into such
+  collectives, and rewrites small reduce-scatters as all-reduces; when it merges the
+  batch-statistics means in as well, they are counted with them."""
+  if any(scope in op.op_name for scope in (GRADIENT_SCOPE, WEIGHT_GATHER_SCOPE)):
+    return True
+  return not op.op_name and op.kind != "pallas" and set(op.axes or ()) == set(mesh_axes)
 
 
 def _collective_name(op) -> str:
@@ -173,13 +180,14 @@ def step_timeline(compiled_text: str, mesh, generation: str, clock_hz: float):
     collective = _collective_name(op)
     if nbytes == 0 or max(torus) == 1 or collective not in PRICED:
       return 0.0
-    if collective == "all_gather":  # the operand is one shard; the model takes the whole
-      nbytes *= math.prod(torus)
+    if collective == "all_gather" and op.kind != "pallas":
+      nbytes *= math.prod(torus)  # XLA's operand is one shard (a kernel's is the buffer)
     variant = "torus_split" if len(torus) > 1 else "bidirectional_ring"
     return cost_model.predict(collective, torus, variant, nbytes, generation).time_s
 
   ops = hlo_schedule.entry_ops(compiled_text)
-  return hlo_schedule.timeline(ops, clock_hz, price, counts=is_data_parallel)
+  counts = lambda op: is_data_parallel(op, tuple(sizes))
+  return hlo_schedule.timeline(ops, clock_hz, price, counts=counts)
 
 
 def report(
@@ -212,6 +220,10 @@ def report(
     lines.append(
       f"compute estimate / (FLOPs at peak): {timeline.compute_s / (flops / peak):.2f} "
       f"({flops / 1e9:.1f} GFLOP per device)"
+    )
+  if not quiet:
+    lines.append(
+      f"step estimate: {1e3 * timeline.step_s:.3f} ms (compute and exposed communication)"
     )
   lines.append(timeline.summary())
   return "\n".join(lines)

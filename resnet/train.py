@@ -9,8 +9,10 @@ split over every mesh axis. One step is ``jax.jit`` of a ``jax.shard_map`` body 
   3. applies LARS, and averages the moving BN statistics so the state stays replicated.
 With ``weight_update_sharding``, steps 2-3 become ``tc.sharded_update``: reduce-scatter,
 LARS on each device's 1/p of the weights (its state stored split over the devices),
-all-gather of the new weights. With ``tuning.tuner``, the gradient summation and batch norms of
-the model are timed on the mesh first, so that "auto" runs what is fastest there.
+all-gather of the new weights; with ``defer_weight_gather`` that all-gather moves to the
+start of the next step (``ParamsLayout``), where it can overlap the forward pass. With
+``tuning.tuner``, the gradient summation and batch norms of the model are timed on the mesh
+first, so that "auto" runs what is fastest there.
 
 Around it: the config validated before anything is built; orbax checkpoints every N
 steps with content digests, and a resume from the newest one that verifies (see
@@ -89,7 +91,7 @@ class ParamsLayout:
 
   Checkpoints, evaluation and ``make_init_fn`` always see them whole and replicated (the
   *stored* state). With ``config.defer_weight_gather`` the *running* state holds each
-  device's ``[1, m]`` shard of every leaf instead (spec ``P(axes)``): the train step
+  device's flat shard of every leaf instead (spec ``P(axes)``): the train step
   all-gathers them at its start, one bucket at a time in the order the forward pass first
   reads them (``tc.packing.first_use_order``), and leaves the new weights as shards, so
   the gather can overlap the next forward pass. ``to_running``/``to_stored`` convert a
@@ -149,6 +151,14 @@ def _cross_entropy(logits, labels, num_classes: int, label_smoothing: float):
   return optax.softmax_cross_entropy(logits, targets)
 
 
+def _mean_over_mesh(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """``lax.pmean`` over every mesh axis of a value that may vary over only some of them:
+  the statistics of a batch-norm group that spans a whole axis do not vary over it, and
+  lax refuses a mean over axes of mixed state, so those axes are cast to varying first."""
+  invariant = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
+  return lax.pmean(lax.pcast(x, invariant, to="varying") if invariant else x, axes)
+
+
 def _train_step(
   state: TrainState,
   batch,
@@ -196,7 +206,7 @@ def _train_step(
   new_state = TrainState(
     step=state.step + 1,
     params=params,
-    batch_stats=lax.pmean(batch_stats, axes),
+    batch_stats=jax.tree.map(lambda x: _mean_over_mesh(x, axes), batch_stats),
     opt_state=opt_state,
   )
   metrics = {

@@ -52,6 +52,7 @@ def test_a_blocking_all_reduce_after_backward_is_all_exposed():
   assert (row.kind, row.nbytes, row.after_last_convolution) == ("sync", 4096, True)
   assert row.exposed_s == row.modelled_s == 2e-6
   assert timeline.compute_s == pytest.approx(3e-6)
+  assert timeline.step_s == pytest.approx(5e-6)  # 3 us of compute, then 2 us blocked
   assert timeline.summary() == (
     "exposed gradient communication: 0.002 ms of 0.002 ms (100.0 %); step compute 0.003 ms"
   )
@@ -63,6 +64,7 @@ def test_an_async_pair_around_longer_compute_is_hidden():
   assert row.kind == "async"
   assert row.covered_s == pytest.approx(2.5e-6)  # 1500 + 1000 cycles between start and done
   assert row.exposed_s == 0.0
+  assert timeline.step_s == pytest.approx(2.5e-6)  # the transfer adds nothing
   assert "(0.0 %)" in timeline.summary()
 
 
@@ -70,6 +72,7 @@ def test_an_async_pair_around_shorter_compute_exposes_the_rest():
   slow = lambda op, nbytes: 4e-6
   timeline = hlo_schedule.timeline(hlo_schedule.entry_ops(ASYNC), CLOCK, slow)
   assert timeline.rows[0].exposed_s == pytest.approx(1.5e-6)  # 4 us transfer - 2.5 us compute
+  assert timeline.step_s == pytest.approx(4e-6)
 
 
 def test_instruction_parsing():
@@ -172,3 +175,25 @@ def test_first_use_order_is_the_forward_pass_order():
   assert tc.packing.buckets_by_size(leaves, 32, order) == [[1, 0], [2]]
   with pytest.raises(ValueError, match="every leaf index"):
     tc.packing.buckets_by_size(leaves, 16, [0, 1])
+
+
+def test_the_report_counts_the_data_parallel_collectives():
+  """By named scope, plus what XLA made itself (no op_name) over the whole mesh."""
+  overlap_report = pytest.importorskip("bench.overlap_report")
+  line = (
+    "  %all-reduce.3 = f32[1024]{0} all-reduce(%p), channel_id=1, "
+    "replica_groups=mesh['x'=2,'y'=2] {AXES}, to_apply=%add{META}"
+  )
+
+  def op(axes, op_name):
+    meta = f', metadata={{op_name="{op_name}"}}' if op_name else ""
+    return hlo_schedule.parse_instruction(line.replace("{AXES}", axes).replace("{META}", meta))
+
+  mesh_axes = ("x", "y")
+  assert overlap_report.is_data_parallel(
+    op("{'x','y'}", "jit(f)/gradient_summation/psum"), mesh_axes
+  )
+  assert overlap_report.is_data_parallel(op("{'x'}", "jit(f)/weight_gather/all_gather"), mesh_axes)
+  assert overlap_report.is_data_parallel(op("{'x','y'}", ""), mesh_axes)  # combined by XLA
+  assert not overlap_report.is_data_parallel(op("{'x'}", ""), mesh_axes)
+  assert not overlap_report.is_data_parallel(op("{'x','y'}", "jit(f)/BatchNorm_0/pmean"), mesh_axes)

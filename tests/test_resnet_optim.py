@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -143,3 +144,27 @@ def test_weight_update_sharding_matches_replicated_lars_in_the_train_step():
   ):
     np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(deferred), np.asarray(ours))
+
+
+def test_moving_statistics_average_when_a_bn_group_spans_a_whole_axis():
+  """A batch-norm group of 4 on a 2x4 mesh spans the whole "y" axis, so its statistics
+  vary over "x" only; lax.pmean over both axes refuses such a value, the step's average
+  of the moving statistics does not, and gives the mean over the groups."""
+  mesh = tc.make_torus_mesh((2, 4))
+
+  def body(x):
+    group_statistic = lax.pmean(x, "y")  # varies over "x" only
+    return train._mean_over_mesh(group_statistic, ("x", "y"))
+
+  x = jnp.arange(8.0).reshape(8, 1)
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("x", "y")), out_specs=P()))
+  np.testing.assert_array_equal(np.asarray(f(x)), [[3.5]])  # the mean of 0..7
+  with pytest.raises(ValueError, match="varying, unreduced, reduced or invarying"):
+    jax.jit(
+      jax.shard_map(
+        lambda x: lax.pmean(lax.pmean(x, "y"), ("x", "y")),
+        mesh=mesh,
+        in_specs=P(("x", "y")),
+        out_specs=P(),
+      )
+    )(x)

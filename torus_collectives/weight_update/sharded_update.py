@@ -198,7 +198,9 @@ def sharded_update(
     order of float additions in its reductions.
 
     Deferred gather (ZeRO's parameter prefetch): ``apply_gradients(grads, state, params,
-    gather=False)`` returns this device's ``[1, m]`` shard of every new leaf instead, and
+    gather=False)`` returns this device's flat ``[m]`` shard of every new leaf instead
+    (globally ``[p * m]``, spec ``PartitionSpec(axis_name)``; flat, since a ``[1, m]`` leaf
+    gets a tiled layout on TPU that costs a relayout per step), and
     the next step's ``gather_params(shards, like, order)`` all-gathers them, one bucket at a
     time in ``order`` (``packing.first_use_order`` of the forward pass: the first layers'
     weights first), so the gather can run while the forward pass computes. A gather moves
@@ -292,16 +294,16 @@ class _Sharding:
     step, update_shards, state = self.sharded_step(grads, state, params)
     new_shards = optax.apply_updates(list(step.param_shards), update_shards)
     if not gather:  # deferred: the next step's gather_params all-gathers them
-      return step.treedef.unflatten([x[None] for x in new_shards]), state
+      return step.treedef.unflatten(list(new_shards)), state
     return self.gather(step, new_shards), state
 
   def shard_params(self, params):
-    """This device's shard of every leaf of the replicated ``params``, as ``[1, m]``."""
+    """This device's flat ``[m]`` shard of every leaf of the replicated ``params``."""
     step = self.setup(params)
-    return step.treedef.unflatten([x[None] for x in step.param_shards])
+    return step.treedef.unflatten(list(step.param_shards))
 
   def gather_params(self, param_shards, like, order=None):
-    """The whole parameters from their shards (``[1, m]`` leaves, as ``shard_params`` and
+    """The whole parameters from their shards (flat ``[m]`` leaves, as ``shard_params`` and
     ``apply_gradients(..., gather=False)`` return them): one tiled all-gather per bucket,
     the buckets filled in ``order`` (leaf indices, e.g. ``first_use_order`` of the forward
     pass, so the first layers' weights arrive first) or in tree order. ``like`` gives the
@@ -311,7 +313,7 @@ class _Sharding:
     shards = treedef.flatten_up_to(param_shards)
     p = math.prod(torus)
     for shard, shape in zip(shards, shapes):
-      if shard.shape != (1, ceil_div(math.prod(shape.shape), p)):
+      if shard.shape != (ceil_div(math.prod(shape.shape), p),):
         raise ValueError(
           f"a parameter shard of shape {shard.shape} does not belong to a leaf of shape "
           f"{shape.shape} sharded over {p} devices: pass the shards that shard_params or "
@@ -319,7 +321,7 @@ class _Sharding:
         )
     layout = _Layout.ordered(shapes, p, self.bucket_bytes, order)
     step = _Step(names, p, layout, treedef, (), ())
-    return _all_gather_leaves(step, self.implementation, treedef.unflatten([s[0] for s in shards]))
+    return _all_gather_leaves(step, self.implementation, treedef.unflatten(shards))
 
 
 def _stored(step: _Step, value, shape, is_sharded: bool) -> jax.Array:
@@ -345,9 +347,9 @@ def _resolved_buckets(op: str, pieces, step: _Step, implementation: str):
 def _mean_shards(step: _Step, grad_leaves, implementation) -> list[jax.Array]:
   """This device's shard of the mean of every gradient leaf, one reduce-scatter a bucket."""
   layout, p = step.layout, step.p
-  pieces = [packing.as_rows(leaf, p) for leaf in grad_leaves]
-  implementation, buckets = _resolved_buckets("reduce_scatter", pieces, step, implementation)
   with jax.named_scope(GRADIENT_SCOPE):
+    pieces = [packing.as_rows(leaf, p) for leaf in grad_leaves]
+    implementation, buckets = _resolved_buckets("reduce_scatter", pieces, step, implementation)
     summed = packing.through_buckets(
       lambda flat: reduce_scatter(flat, step.axes, tiled=True, implementation=implementation),
       pieces,
