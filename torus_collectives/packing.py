@@ -34,7 +34,6 @@ import math
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 
 from torus_collectives import _jax_internals as jax_internals
@@ -93,10 +92,11 @@ def first_use_order(fn: Callable, tree, *args) -> list[int]:
   closed = jax.make_jaxpr(fn)(tree, *args)
   count = len(jax.tree.leaves(tree))
   leaf_of = {var: i for i, var in enumerate(closed.jaxpr.invars[:count])}
+  var_type = type(closed.jaxpr.invars[0]) if closed.jaxpr.invars else ()  # not a Literal
   first: dict[int, int] = {}
   for position, eqn in enumerate(closed.jaxpr.eqns):
     for var in eqn.invars:
-      if not isinstance(var, jax.extend.core.Literal) and var in leaf_of:
+      if isinstance(var, var_type) and var in leaf_of:
         first.setdefault(leaf_of[var], position)
   never = len(closed.jaxpr.eqns)
   return sorted(range(count), key=lambda i: (first.get(i, never), i))

@@ -77,6 +77,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.defer_weight_gather = False
   # Pass libtpu the flags under which gradient collectives stay apart and asynchronous,
   # overlapping the backward pass (torus_collectives.xla_settings); read only on TPU.
+  # Whether they pay depends on the topology: python -m bench.overlap_report says.
   c.xla_overlap_settings = False
 
   # Bookkeeping.
