@@ -38,9 +38,9 @@ The flags:
 * ``--xla_enable_async_all_reduce``, ``--xla_enable_async_all_gather``: start/done pairs.
 
 libtpu reads ``LIBTPU_INIT_ARGS`` once, when jax first starts a backend: call ``apply()``
-before any jax computation (``python -m resnet`` does, on TPU configs). An unknown flag
-aborts libtpu's start, so the flags are only those this package was compiled against
-(libtpu of the ``tpu`` extra). Nothing here has run on a TPU.
+before any jax computation (``python -m resnet`` does, with ``config.xla_overlap_settings``).
+An unknown flag aborts libtpu's start, so the flags are only those this package was
+compiled against (libtpu of the ``tpu`` extra). Nothing here has run on a TPU.
 """
 
 from __future__ import annotations
