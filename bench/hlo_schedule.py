@@ -200,8 +200,9 @@ def entry_ops(hlo_text: str) -> list[Op]:
           op = dataclasses.replace(op, axes=_axes(groups.group(1)))
         inner = _COLLECTIVE.search(bodies[op.calls])
         if inner and not op.collective:
-          line_end = bodies[op.calls].find("\n", inner.end())
-          inner_name = _OP_NAME.search(bodies[op.calls], inner.end(), line_end % (2**63))
+          body = bodies[op.calls]
+          line_end = body.find("\n", inner.end())
+          inner_name = _OP_NAME.search(body, inner.end(), len(body) if line_end < 0 else line_end)
           op = dataclasses.replace(
             op,
             collective=inner.group(1),

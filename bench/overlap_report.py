@@ -211,17 +211,16 @@ def report(
       f"{1e3 * sum(r.modelled_s for r in others):.3f} ms modelled, "
       f"{1e3 * sum(r.exposed_s for r in others):.3f} ms exposed"
     )
-    peak = hlo_schedule.PEAK_FLOPS[generation]
     lines.append(
       f"{generation} clock {clock_hz / 1e6:.0f} MHz, calibrated on a bf16 matmul at peak; "
       "compiler estimates and the cost model, not measurements"
     )
-  if not quiet and flops:
-    lines.append(
-      f"compute estimate / (FLOPs at peak): {timeline.compute_s / (flops / peak):.2f} "
-      f"({flops / 1e9:.1f} GFLOP per device)"
-    )
-  if not quiet:
+    if flops:
+      peak = hlo_schedule.PEAK_FLOPS[generation]
+      lines.append(
+        f"compute estimate / (FLOPs at peak): {timeline.compute_s / (flops / peak):.2f} "
+        f"({flops / 1e9:.1f} GFLOP per device)"
+      )
     lines.append(
       f"step estimate: {1e3 * timeline.step_s:.3f} ms (compute and exposed communication)"
     )

@@ -114,11 +114,7 @@ class _Layout:
   buckets: tuple[tuple[int, ...], ...]
 
   @classmethod
-  def of(cls, leaves: list[jax.Array], p: int, bucket_bytes: int) -> _Layout:
-    return cls.ordered(leaves, p, bucket_bytes)
-
-  @classmethod
-  def ordered(cls, leaves, p: int, bucket_bytes: int, order=None) -> _Layout:
+  def of(cls, leaves, p: int, bucket_bytes: int, order=None) -> _Layout:
     """Buckets filled in ``order`` (leaf indices), or in ``buckets_by_size``'s order."""
     return cls(
       shapes=tuple(tuple(leaf.shape) for leaf in leaves),
@@ -319,7 +315,7 @@ class _Sharding:
           f"{shape.shape} sharded over {p} devices: pass the shards that shard_params or "
           "apply_gradients(..., gather=False) returned, and the parameters' shapes as like"
         )
-    layout = _Layout.ordered(shapes, p, self.bucket_bytes, order)
+    layout = _Layout.of(shapes, p, self.bucket_bytes, order)
     step = _Step(names, p, layout, treedef, (), ())
     return _all_gather_leaves(step, self.implementation, treedef.unflatten(shards))
 
@@ -429,12 +425,13 @@ def _all_gather_leaves(step: _Step, implementation, shards):
     for i in bucket:
       pieces[i] = leaves[i].astype(dtype)
 
+  implementation, buckets = _resolved_buckets("all_gather", pieces, step, implementation)
+
   def gather(flat):
     gathered = all_gather(flat, step.axes, tiled=True, implementation=implementation)
     # Identical on every device: type it replicated, as a psum's result would be.
     return mark_invariant(gathered, step.axes)
 
-  implementation, buckets = _resolved_buckets("all_gather", pieces, step, implementation)
   with jax.named_scope(WEIGHT_GATHER_SCOPE):
     rows = packing.through_buckets(gather, pieces, buckets, step.layout.shard_sizes, rows=step.p)
   out = [
