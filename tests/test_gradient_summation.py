@@ -116,15 +116,18 @@ def test_transport_dtype_matches_lax(implementation, transport_dtype, mean, axes
 
 
 @pytest.mark.parametrize("implementation", ["auto", "xla", "shard_map", "lax_torus", "pallas"])
-@pytest.mark.parametrize("transport_dtype", [jnp.int8, jnp.int32, jnp.uint8, jnp.bool_])
+@pytest.mark.parametrize("transport_dtype", [jnp.int32, jnp.uint8, jnp.int16, jnp.bool_])
 def test_integer_transport_dtype_is_refused(implementation, transport_dtype):
-  """An integer transport dtype would truncate every gradient to whole numbers: refused
+  """An integer transport dtype other than int8 (block-scaled, see
+  test_block_scaled_transport.py) would truncate every gradient to whole numbers: refused
   with a ValueError naming the fix, at trace time (before any device work)."""
   mesh = harness.mesh((2, 4))
   fn = lambda t: tc.all_reduce_gradients(
     t, ("x", "y"), transport_dtype=transport_dtype, implementation=implementation
   )
-  with pytest.raises(ValueError, match="not a floating dtype.*bfloat16"):
+  with pytest.raises(
+    ValueError, match="neither a floating dtype nor a block-scaled.*int8.*bfloat16"
+  ):
     per_device(fn, mesh, _tree(0))
 
 

@@ -44,6 +44,7 @@ from torus_collectives.gradients import all_reduce_gradients
 from torus_collectives.groups import resolve_tile
 from torus_collectives.norm.batch_norm import batch_norm
 from torus_collectives.norm.block_sizes import BlockSizes
+from torus_collectives.quantization import BlockScaled
 from torus_collectives.registry import (
   IMPLEMENTATIONS,
   Implementation,
@@ -55,6 +56,7 @@ from torus_collectives.topology import make_torus_mesh
 from torus_collectives.weight_update.interpreter import UnshardableTransformError
 
 __all__ = [
+  "BlockScaled",
   "IMPLEMENTATIONS",
   "ShardedUpdate",
   "UnshardableTransformError",

@@ -25,6 +25,11 @@ names of the same ops.
   buffers go through the primitives of ``primitives``, which carry the JVP, transpose and
   batching rules.
 
+``transport_dtype=`` (not in lax): block-scaled transport, ``jnp.int8``, an fp8 dtype, a
+``tc.BlockScaled`` or a mapping from axis name to one (``quantization``): lossy within
+``quantization.error_bound``, run by the implementations that have it ("auto" picks one;
+"xla" raises), and never chosen by "auto" on its own.
+
 Semantics follow lax: chunk order row-major over a tuple of axis names, lax's ``tiled``
 meaning, ``axis_index_groups`` (on the torus when the groups are aligned tiles of it, see
 ``groups``), ``to="invarying"``, axes bound by ``shard_map``, ``pmap`` or
@@ -55,7 +60,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from torus_collectives import _jax_internals as jax_internals
-from torus_collectives import axes, packing, primitives, registry
+from torus_collectives import axes, packing, primitives, quantization, registry
 from torus_collectives import groups as groups_lib
 from torus_collectives._vma import ensure_varying, vma_checked
 from torus_collectives.axes import AxisName
@@ -129,10 +134,12 @@ def request(op: str, leaves, axis_name: AxisName) -> registry.Request:
 
 @dataclasses.dataclass(frozen=True)
 class _Call:
-  """One collective call that a torus implementation runs: its request and backend."""
+  """One collective call that a torus implementation runs: its request, its backend and
+  its block-scaled transport (one format or None per axis, or None)."""
 
   request: registry.Request
   implementation: str
+  transport: quantization.Transport | None = None
 
   @property
   def names(self) -> tuple:
@@ -150,6 +157,7 @@ class _Call:
       impl=self.implementation,
       config=config,
       invariant=invariant,
+      transport=self.transport,
     )
 
   def varying(self, leaf: jax.Array, op: str) -> jax.Array:
@@ -166,7 +174,9 @@ class _Call:
     return ensure_varying(leaf, mesh_names)
 
 
-def _torus_call(op, x, axis_name, groups, to, implementation, constants_to_lax=False):
+def _torus_call(
+  op, x, axis_name, groups, to, implementation, constants_to_lax=False, transport_dtype=None
+):
   """The torus implementation that runs the call, or None where lax runs it untouched:
   "xla", "auto" wherever ``registry.resolve`` says lax, an empty tree, and
   (``constants_to_lax``) a tree of constants, which lax sums without device work.
@@ -174,24 +184,31 @@ def _torus_call(op, x, axis_name, groups, to, implementation, constants_to_lax=F
   The request is built once, here. "xla" builds none, so lax gets the caller's arguments
   as given; for "auto" the request reads only what lax reads too (the axis environment,
   the leaves' dtypes, sizes and types, the replica groups), and a leaf or axis name it
-  cannot read goes to lax, which raises its own error."""
+  cannot read goes to lax, which raises its own error. A block-scaled ``transport_dtype``
+  (``quantization.transport_per_axis``) is honoured or refused, never dropped: lax has
+  none, so "xla" raises, and "auto" runs an implementation that has it."""
+  transport = quantization.transport_per_axis(transport_dtype, axes.names(axis_name))
   leaves = jax.tree.leaves(x)
+  if transport is not None and registry.runs_lax(implementation):
+    registry.resolve(implementation, registry.Request(op, block_scaled=True))  # raises
   if registry.runs_lax(implementation) or not leaves:
     return None
   try:
     request = _request(op, leaves, axis_name, groups, to)
   except TypeError:
-    if implementation == "auto":
+    if implementation == "auto" and transport is None:
       return None  # lax raises its own error
     raise
-  if constants_to_lax and not any(isinstance(v, jax_internals.Tracer) for v in leaves):
+  request = dataclasses.replace(request, block_scaled=transport is not None)
+  constants = not any(isinstance(v, jax_internals.Tracer) for v in leaves)
+  if constants_to_lax and constants and transport is None:
     return None
   concrete = registry.resolve(implementation, request)
   if registry.runs_lax(concrete):
     return None
   if len(set(request.names)) != len(request.names):
     raise ValueError(f"{axis_name=} names an axis twice")
-  return _Call(request, concrete)
+  return _Call(request, concrete, transport)
 
 
 def _prepare(x, summed: bool):
@@ -203,10 +220,12 @@ def _prepare(x, summed: bool):
   return arrays, treedef
 
 
-def _sum(x, axis_name, axis_index_groups, implementation, config):
+def _sum(x, axis_name, axis_index_groups, implementation, config, transport_dtype):
   """psum on the torus, or None where lax runs it ("xla", and "auto" where it says so)."""
   _check_args(implementation, config)
-  call = _torus_call("all_reduce", x, axis_name, axis_index_groups, "varying", implementation, True)
+  call = _torus_call(
+    "all_reduce", x, axis_name, axis_index_groups, "varying", implementation, True, transport_dtype
+  )
   if call is None:
     return None
   arrays, treedef = _prepare(x, summed=True)
@@ -229,9 +248,10 @@ def psum(
   axis_index_groups: AxisIndexGroups = None,
   implementation: Implementation = "auto",
   config: KernelConfig | None = None,
+  transport_dtype: Any = None,
 ) -> Any:
   """Sums ``x`` (a pytree) over ``axis_name``; as ``lax.psum``."""
-  out = _sum(x, axis_name, axis_index_groups, implementation, config)
+  out = _sum(x, axis_name, axis_index_groups, implementation, config, transport_dtype)
   if out is None:
     return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
   return out
@@ -244,9 +264,10 @@ def pmean(
   axis_index_groups: AxisIndexGroups = None,
   implementation: Implementation = "auto",
   config: KernelConfig | None = None,
+  transport_dtype: Any = None,
 ) -> Any:
   """Averages ``x`` (a pytree) over ``axis_name``; as ``lax.pmean``."""
-  out = _sum(x, axis_name, axis_index_groups, implementation, config)
+  out = _sum(x, axis_name, axis_index_groups, implementation, config, transport_dtype)
   if out is None:
     return lax.pmean(x, axis_name, axis_index_groups=axis_index_groups)
   n = lax.psum(1, axes.names(axis_name), axis_index_groups=axis_index_groups)
@@ -260,6 +281,7 @@ def all_reduce(
   axis_index_groups: AxisIndexGroups = None,
   implementation: Implementation = "auto",
   config: KernelConfig | None = None,
+  transport_dtype: Any = None,
 ) -> Any:
   """Sums ``x`` over ``axis_name``: ``psum`` under its descriptive name."""
   return psum(
@@ -268,6 +290,7 @@ def all_reduce(
     axis_index_groups=axis_index_groups,
     implementation=implementation,
     config=config,
+    transport_dtype=transport_dtype,
   )
 
 
@@ -290,6 +313,7 @@ def psum_scatter(
   tiled: bool = False,
   implementation: Implementation = "auto",
   config: KernelConfig | None = None,
+  transport_dtype: Any = None,
 ) -> Any:
   """Sums ``x`` (a pytree) over ``axis_name`` and keeps this device's chunk; as
   ``lax.psum_scatter``."""
@@ -304,7 +328,15 @@ def psum_scatter(
     )
 
   _check_args(implementation, config)
-  call = _torus_call("reduce_scatter", x, axis_name, axis_index_groups, "varying", implementation)
+  call = _torus_call(
+    "reduce_scatter",
+    x,
+    axis_name,
+    axis_index_groups,
+    "varying",
+    implementation,
+    transport_dtype=transport_dtype,
+  )
   if call is None:
     return on_lax()
   arrays, treedef = _prepare(x, summed=False)
@@ -354,6 +386,7 @@ def reduce_scatter(
   tiled: bool = False,
   implementation: Implementation = "auto",
   config: KernelConfig | None = None,
+  transport_dtype: Any = None,
 ) -> Any:
   """``psum_scatter`` under its descriptive name."""
   return psum_scatter(
@@ -364,6 +397,7 @@ def reduce_scatter(
     tiled=tiled,
     implementation=implementation,
     config=config,
+    transport_dtype=transport_dtype,
   )
 
 
@@ -377,6 +411,7 @@ def all_gather(
   to: str = "varying",
   implementation: Implementation = "auto",
   config: KernelConfig | None = None,
+  transport_dtype: Any = None,
 ) -> Any:
   """Concatenates (``tiled``) or stacks ``x`` (a pytree) from every device; as
   ``lax.all_gather``."""
@@ -389,7 +424,15 @@ def all_gather(
   _check_args(implementation, config)
   if to not in ("varying", "reduced", "invarying"):
     return on_lax()
-  call = _torus_call("all_gather", x, axis_name, axis_index_groups, to, implementation)
+  call = _torus_call(
+    "all_gather",
+    x,
+    axis_name,
+    axis_index_groups,
+    to,
+    implementation,
+    transport_dtype=transport_dtype,
+  )
   if call is None:
     return on_lax()
   arrays, treedef = _prepare(x, summed=False)

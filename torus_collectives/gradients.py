@@ -25,6 +25,7 @@ last-stage kernels: see that module).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -32,7 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from torus_collectives import axes, packing, registry
+from torus_collectives import axes, packing, quantization, registry
+from torus_collectives._vma import ensure_varying, mark_invariant
 from torus_collectives.collectives import AxisName, all_reduce
 
 DEFAULT_BUCKET_BYTES = 32 * 2**20
@@ -44,13 +46,7 @@ GRADIENT_SCOPE = "gradient_summation"
 WEIGHT_GATHER_SCOPE = "weight_gather"
 
 
-def _check_arguments(leaves, bucket_bytes, transport_dtype) -> None:
-  if transport_dtype is not None and not jnp.issubdtype(jnp.dtype(transport_dtype), jnp.floating):
-    raise ValueError(
-      f"transport_dtype={jnp.dtype(transport_dtype).name} is not a floating dtype: casting "
-      "gradients to it would truncate them (there is no block-scaled integer transport); "
-      "pass a floating transport dtype such as jnp.bfloat16, or None"
-    )
+def _check_arguments(leaves, bucket_bytes) -> None:
   if not bucket_bytes > 0 or not math.isfinite(bucket_bytes):
     raise ValueError(f"{bucket_bytes=} must be a positive, finite number of bytes")
   for leaf in leaves:
@@ -61,13 +57,46 @@ def _check_arguments(leaves, bucket_bytes, transport_dtype) -> None:
       )
 
 
-def _request(wire: list[jax.Array], torus: tuple[int, ...]) -> registry.Request:
+def _request(wire: list[jax.Array], torus: tuple[int, ...], block_scaled: bool) -> registry.Request:
   """The gradient summation as one request: its bytes on the wire, over ``torus``, looked
   up for the dtype that carries most of them."""
   nbytes = sum(w.size * w.dtype.itemsize for w in wire)
   dtype = max(wire, key=lambda w: w.size * w.dtype.itemsize).dtype if wire else jnp.float32
   dtypes = tuple(dict.fromkeys([jnp.dtype(dtype), *(w.dtype for w in wire)]))
-  return registry.Request("all_reduce_gradients", dtypes, nbytes, torus)
+  return registry.Request("all_reduce_gradients", dtypes, nbytes, torus, block_scaled=block_scaled)
+
+
+def _cast_transport(transport_dtype, names):
+  """``(cast dtype, block-scaled transport)`` of a ``transport_dtype=`` argument: a
+  floating dtype is a cast before the collective, an int8 or fp8 dtype, a
+  ``BlockScaled`` or a mapping per axis is block-scaled transport
+  (``quantization.transport_per_axis``). Any other dtype is refused: a cast to an integer
+  would truncate every gradient to whole numbers."""
+  if transport_dtype is None or quantization.is_block_scaled(transport_dtype):
+    return None, quantization.transport_per_axis(transport_dtype, names)
+  dtype = jnp.dtype(transport_dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(
+      f"transport_dtype={dtype.name} is neither a floating dtype nor a block-scaled format: "
+      "casting gradients to it would truncate them; pass jnp.int8 (block-scaled), a "
+      "floating dtype such as jnp.bfloat16, or None"
+    )
+  return dtype, None
+
+
+def _block_scaled_sum(flat, names, implementation, transport, with_residual: bool):
+  """The all-reduce of one packed bucket with block-scaled transport; with error feedback
+  through the backend itself, which also returns what this device's quantizations took
+  off (see ``backends.shard_map``)."""
+  if not with_residual:
+    per_axis = dict(zip(names, transport))
+    return all_reduce(flat, names, implementation=implementation, transport_dtype=per_axis)
+  sizes = tuple(lax.axis_size(a) for a in names)
+  backend = registry.collective_backend(implementation)
+  total, residual = backend.all_reduce(
+    ensure_varying(flat, names), names, sizes, transport=transport, with_residual=True
+  )
+  return mark_invariant(total, names), residual
 
 
 def _on_lax(leaves, wire, buckets, axis_name, mean, scale, transport_dtype) -> list[jax.Array]:
@@ -92,36 +121,74 @@ def all_reduce_gradients(
   *,
   mean: bool = True,
   bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-  transport_dtype: jnp.dtype | None = None,
+  transport_dtype: Any = None,
   implementation: str = "auto",
+  residual: Any = None,
 ) -> Any:
   """Sums (``mean=False``) or averages a gradient pytree over ``axis_name``.
 
-  Returns a tree of the same structure, shapes and dtypes. ``transport_dtype`` must be a
-  floating dtype: a cast to an integer dtype would truncate every gradient to whole numbers
-  (block-scaled integer transport does not exist yet), so it is refused before any work.
+  Returns a tree of the same structure, shapes and dtypes.
+
+  ``transport_dtype``: None (the gradients' own dtype), a floating dtype (each bucket is
+  cast to it, e.g. ``jnp.bfloat16``), or block-scaled transport: ``jnp.int8``, an fp8
+  dtype, a ``tc.BlockScaled`` (to choose the block size), or a mapping from axis name to
+  one of those (e.g. ``{"dcn": jnp.int8}``: quantize only the hops between slices).
+  Block-scaled transport is lossy within ``quantization.error_bound``; "auto" runs it on
+  an implementation that has it ("shard_map"), and "xla" refuses it. A cast to an integer
+  dtype would truncate every gradient, so other dtypes are refused before any work.
+
+  ``residual`` (error feedback, with block-scaled transport only): a tree like ``tree``
+  of float32 leaves, zeros at the first step. It is added to the gradients before they
+  are summed, and the call returns ``(tree, new_residual)``: what this device's
+  quantizations took off, to pass to the next step. Over the devices the residuals sum to
+  the step's error, so what a step drops the next one sends: the summed gradients of
+  steps 1..T differ from the exact ones by the last residual alone, not by T steps of
+  error (EF-SGD).
   """
   names = axes.names(axis_name)
   leaves, treedef = jax.tree.flatten(tree)
-  _check_arguments(leaves, bucket_bytes, transport_dtype)
+  _check_arguments(leaves, bucket_bytes)
+  cast, transport = _cast_transport(transport_dtype, names)
+  if residual is not None and transport is None:
+    raise ValueError(
+      "residual= (error feedback) needs a block-scaled transport_dtype such as jnp.int8"
+    )
+  if residual is not None:
+    residual_leaves = treedef.flatten_up_to(residual)
+    leaves = [(g.astype(jnp.float32) + r).astype(g.dtype) for g, r in zip(leaves, residual_leaves)]
   torus = tuple(lax.axis_size(a) for a in names)
   scale = 1.0 / math.prod(torus) if mean else 1.0
   with jax.named_scope(GRADIENT_SCOPE):
-    wire = [leaf if transport_dtype is None else leaf.astype(transport_dtype) for leaf in leaves]
-    implementation = registry.resolve(implementation, _request(wire, torus))
+    wire = [leaf if cast is None else leaf.astype(cast) for leaf in leaves]
+    request = _request(wire, torus, block_scaled=transport is not None)
+    implementation = registry.resolve(implementation, request)
     # The gradients' own order (the casts to the transport dtype run in tree order).
     buckets = packing.buckets_by_size(wire, bucket_bytes, packing.computed_order(leaves))
+    new_residual = None
     if registry.runs_lax(implementation):
-      out = _on_lax(leaves, wire, buckets, axis_name, mean, scale, transport_dtype)
+      out = _on_lax(leaves, wire, buckets, axis_name, mean, scale, cast)
     else:
+      if transport is None:
+        collective = lambda flat: all_reduce(flat, names, implementation=implementation)
+      else:
+        collective = functools.partial(
+          _block_scaled_sum,
+          names=names,
+          implementation=implementation,
+          transport=transport,
+          with_residual=residual is not None,
+        )
       summed = packing.through_buckets(
-        lambda flat: all_reduce(flat, names, implementation=implementation),
-        [w.reshape(-1) for w in wire],
-        buckets,
-        [w.size for w in wire],
+        collective, [w.reshape(-1) for w in wire], buckets, [w.size for w in wire]
       )
+      if residual is not None:
+        summed, new_residual = summed
       out = [
         (part.reshape(leaf.shape).astype(jnp.float32) * scale).astype(leaf.dtype)
         for part, leaf in zip(summed, leaves)
       ]
-  return jax.tree.unflatten(treedef, out)
+  result = jax.tree.unflatten(treedef, out)
+  if residual is None:
+    return result
+  residuals = [r.reshape(leaf.shape) for r, leaf in zip(new_residual, leaves)]
+  return result, jax.tree.unflatten(treedef, residuals)

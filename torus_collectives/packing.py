@@ -141,10 +141,16 @@ def through_buckets(
 ) -> list[jax.Array]:
   """For each bucket: its pieces packed into one buffer, ``collective`` applied to it (one
   call per bucket, in bucket order), and the result unpacked into per-leaf pieces of
-  ``widths`` (indexed as the leaves; see ``unpack`` for ``rows``)."""
-  out: list[jax.Array | None] = [None] * len(pieces)
+  ``widths`` (indexed as the leaves; see ``unpack`` for ``rows``). A collective that
+  returns a tuple of buffers of the same layout gives a tuple of such lists."""
+  outs: list[list] | None = None
   for bucket in buckets:
     result = collective(pack([pieces[i] for i in bucket]))
-    for i, piece in zip(bucket, unpack(result, [widths[i] for i in bucket], rows)):
-      out[i] = piece
-  return out
+    results = result if isinstance(result, tuple) else (result,)
+    outs = outs or [[None] * len(pieces) for _ in results]
+    for out, buffer in zip(outs, results):
+      for i, piece in zip(bucket, unpack(buffer, [widths[i] for i in bucket], rows)):
+        out[i] = piece
+  if outs is None:
+    return [None] * len(pieces)
+  return tuple(outs) if isinstance(result, tuple) else outs[0]

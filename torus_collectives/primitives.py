@@ -46,8 +46,11 @@ KINDS = ("reduce_scatter", "all_gather", "all_reduce")
 PRIMITIVES = {kind: jax_internals.Primitive(f"torus_{kind}") for kind in KINDS}
 
 
-def bind(kind: str, x: jax.Array, *, axes, sizes, tile, impl, config, invariant=False):
-  """Runs collective ``kind`` on the 1-D ``x``; the identity when ``axes`` is empty."""
+def bind(
+  kind: str, x: jax.Array, *, axes, sizes, tile, impl, config, invariant=False, transport=None
+):
+  """Runs collective ``kind`` on the 1-D ``x``; the identity when ``axes`` is empty.
+  ``transport``: a ``quantization.BlockScaled`` or None per axis, or None."""
   if not axes:
     return x
   return PRIMITIVES[kind].bind(
@@ -58,6 +61,7 @@ def bind(kind: str, x: jax.Array, *, axes, sizes, tile, impl, config, invariant=
     impl=impl,
     config=config,
     invariant=bool(invariant),
+    transport=None if transport is None else tuple(transport),
   )
 
 
@@ -66,15 +70,17 @@ def _out_length(kind: str, n: int, tile) -> int:
   return {"reduce_scatter": n // max(p, 1), "all_gather": n * p, "all_reduce": n}[kind]
 
 
-def lowering(kind, x, *, axes, sizes, tile, impl, config, invariant):
+def lowering(kind, x, *, axes, sizes, tile, impl, config, invariant, transport):
   """The backend's collective: what the primitive lowers to."""
   del invariant  # a type, not a computation
   out = _out_length(kind, x.shape[0], tile)
   if out == 0 or x.shape[0] == 0:
     return jnp.zeros((out,), x.dtype)
   backend = registry.collective_backend(impl, config)
-  groups = {} if tuple(tile) == tuple(sizes) else {"tile": tuple(tile)}
-  return getattr(backend, kind)(x, tuple(axes), tuple(sizes), **groups)
+  options = {} if tuple(tile) == tuple(sizes) else {"tile": tuple(tile)}
+  if transport is not None:
+    options["transport"] = transport
+  return getattr(backend, kind)(x, tuple(axes), tuple(sizes), **options)
 
 
 def _effects(kind, aval, params):
@@ -112,6 +118,7 @@ def _own_chunk(ct, axes, tile):
 def _transpose(kind):
   def rule(ct, x, **params):
     assert ad.is_undefined_primal(x)
+    _check_linear(params)
     if type(ct) is ad.Zero:
       return (ad.Zero(x.aval),)
     if kind == "reduce_scatter":
@@ -142,6 +149,7 @@ def _without(params, position):
     "axes": drop(params["axes"]),
     "sizes": drop(params["sizes"]),
     "tile": drop(params["tile"]),
+    "transport": None if params["transport"] is None else drop(params["transport"]),
   }
 
 
@@ -218,9 +226,29 @@ def _batcher(kind):
   return rule
 
 
+def _check_linear(params) -> None:
+  """Block-scaled transport makes a collective nonlinear: its JVP or transpose would
+  silently be that of the unquantized sum, so both are refused."""
+  if params["transport"] is not None:
+    raise NotImplementedError(
+      "a collective with a block-scaled transport_dtype is not differentiable (quantization "
+      "is not linear); differentiate first and quantize the gradients' summation, or pass "
+      "transport_dtype=None"
+    )
+
+
+def _not_linear(linear_jvp):
+  def rule(primals, tangents, **params):
+    _check_linear(params)
+    return linear_jvp(primals, tangents, **params)
+
+  return rule
+
+
 for _kind, _prim in PRIMITIVES.items():
   _prim.def_effectful_abstract_eval(_abstract_eval(_kind))
   mlir.register_lowering(_prim, mlir.lower_fun(functools.partial(lowering, _kind), False))
   ad.deflinear2(_prim, _transpose(_kind))
+  ad.primitive_jvps[_prim] = _not_linear(ad.primitive_jvps[_prim])
   batching.fancy_primitive_batchers[_prim] = _batcher(_kind)
 del _kind, _prim

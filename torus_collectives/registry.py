@@ -107,6 +107,9 @@ class Backend:
     pallas_kernels: it runs Pallas kernels: its collective functions take ``config=`` (a
       ``KernelConfig``), its batch-norm passes ``block_sizes=``, and in TPU interpret
       mode its calls carry the interpreter's callback effects.
+    block_scaled_transport: its collective functions take ``transport=`` (a
+      ``quantization.BlockScaled`` or None per axis) and send partial sums block-scaled
+      (``torus_collectives.quantization``).
     load_collectives: the three collective functions (imported on first use).
     load_batch_norm: its per-replica batch-norm passes (imported on first use).
   """
@@ -121,6 +124,7 @@ class Backend:
   partial_manual: bool = True
   runs_on: Callable[[str], bool] = lambda device_kind: True
   pallas_kernels: bool = False
+  block_scaled_transport: bool = False
   load_collectives: Callable[[], CollectiveBackend] | None = None
   load_batch_norm: Callable[[], Passes] | None = None
 
@@ -201,6 +205,7 @@ register(
     "shard_map",
     ops=dict.fromkeys(COLLECTIVES),
     replica_groups="tiles",
+    block_scaled_transport=True,
     load_collectives=_load_shard_map,
   )
 )
@@ -430,6 +435,7 @@ class Request:
     to: the all-gather's ``to=``.
     unreduced: a leaf is typed unreduced or reduced over the named axes.
     partial_manual: the enclosing shard_map leaves some mesh axes automatic.
+    block_scaled: the call asks for block-scaled transport (``transport_dtype=jnp.int8``).
   """
 
   op: str
@@ -445,6 +451,7 @@ class Request:
   to: str = "varying"
   unreduced: bool = False
   partial_manual: bool = False
+  block_scaled: bool = False
 
   @property
   def over_mesh_axes(self) -> bool:
@@ -463,10 +470,15 @@ def resolve(implementation: str, request: Request) -> str:
     request, and "xla" everywhere else: where no table speaks for it
     (``Request.over_mesh_axes``), for floating dtypes under ``bitwise_as_lax``, and for
     whatever the choice does not support.
+  * block-scaled transport (``Request.block_scaled``) is never chosen, only honoured: an
+    explicit implementation must have ``block_scaled_transport`` (lax does not) or the
+    call raises; "auto" runs the first registered one that runs the request.
 
   Raises ValueError on an unknown name.
   """
   check_name(implementation)
+  if request.block_scaled:
+    return _block_scaled(implementation, request)
   if runs_lax(implementation):
     return implementation
   if implementation != "auto":
@@ -479,6 +491,33 @@ def resolve(implementation: str, request: Request) -> str:
   dtype = request.dtypes[0] if request.dtypes else jnp.float32
   choice = auto_implementation(request.op, dtype, nbytes=request.nbytes, torus=request.torus)
   return "xla" if choice == "xla" or unsupported(choice, request) else choice
+
+
+def _block_scaled(implementation: str, request: Request) -> str:
+  """The implementation that runs a request for block-scaled transport (see ``resolve``)."""
+  able = [name for name, b in BACKENDS.items() if b.block_scaled_transport]
+  for dtype in request.dtypes:
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+      raise ValueError(
+        f"block-scaled transport quantizes floating-point values, got dtype "
+        f"{jnp.dtype(dtype).name}; integer sums are exact: pass transport_dtype=None"
+      )
+  device_kind = target.target_device().device_kind
+  if implementation == "auto":
+    for name in able:
+      if BACKENDS[name].runs_on(device_kind) and unsupported(name, request) is None:
+        return name
+    if able:
+      raise unsupported(able[0], request)
+  elif implementation in able:
+    error = unsupported(implementation, request)
+    if error is not None:
+      raise error
+    return implementation
+  raise ValueError(
+    f'implementation="{implementation}" has no block-scaled (int8/fp8) transport; use one '
+    f'of {able} or "auto" (which runs it), or pass transport_dtype=None'
+  )
 
 
 # The lax collective each op stands in for, called as lax would be on an unbound axis.

@@ -92,7 +92,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from torus_collectives import axes, collectives, packing, registry
+from torus_collectives import axes, collectives, packing, quantization, registry
 from torus_collectives._optional import require
 from torus_collectives._vma import mark_invariant
 from torus_collectives.collectives import AxisName, all_gather, reduce_scatter
@@ -170,6 +170,7 @@ def sharded_update(
   *,
   bucket_bytes: int = DEFAULT_BUCKET_BYTES,
   implementation: Implementation = "auto",
+  transport_dtype: Any = None,
 ) -> ShardedUpdate:
   """``tx`` with its update sharded over the devices of ``axis_name`` (see module doc).
 
@@ -181,6 +182,10 @@ def sharded_update(
       enclosing ``jax.shard_map``.
     bucket_bytes: largest flat bucket, as in ``all_reduce_gradients``.
     implementation: the reduce-scatter and all-gather implementation.
+    transport_dtype: None, or block-scaled transport for the gradients' reduce-scatter
+      (``jnp.int8``, an fp8 dtype, a ``tc.BlockScaled`` or a mapping per axis; see
+      ``all_reduce_gradients``). The weights' all-gather is never quantized: it moves the
+      parameters themselves, exactly.
 
   Returns:
     ``init(params) -> state``, ``update(grads, state, params) -> (updates, state)`` and
@@ -205,7 +210,12 @@ def sharded_update(
   """
   if bucket_bytes <= 0:
     raise ValueError(f"{bucket_bytes=} must be positive")
-  sharding = _Sharding(tx, axis_name, bucket_bytes, implementation)
+  if transport_dtype is not None and not quantization.is_block_scaled(transport_dtype):
+    raise ValueError(
+      f"sharded_update's transport_dtype takes a block-scaled format (jnp.int8, an fp8 "
+      f"dtype, tc.BlockScaled or a mapping per axis), got {transport_dtype!r}"
+    )
+  sharding = _Sharding(tx, axis_name, bucket_bytes, implementation, transport_dtype)
   return ShardedUpdate(
     sharding.init,
     sharding.update,
@@ -223,6 +233,7 @@ class _Sharding:
   axis_name: AxisName
   bucket_bytes: int
   implementation: str
+  transport_dtype: Any = None
 
   def setup(self, params) -> _Step:
     names, torus = _bound_torus(self.axis_name)
@@ -260,7 +271,7 @@ class _Sharding:
     _check_floating(grads, "gradients")
     grad_leaves = step.treedef.flatten_up_to(grads)
     step = dataclasses.replace(step, layout=_Layout.of(grad_leaves, step.p, self.bucket_bytes))
-    grad_shards = _mean_shards(step, grad_leaves, self.implementation)
+    grad_shards = _mean_shards(step, grad_leaves, self.implementation, self.transport_dtype)
     whole_state = jax.eval_shape(self.tx.init, params)
     sharded = _sharded_state(self.tx, step, params, whole_state)
     state_leaves, state_def = jax.tree.flatten(state)
@@ -329,25 +340,31 @@ def _stored(step: _Step, value, shape, is_sharded: bool) -> jax.Array:
   return replicated(value)
 
 
-def _resolved_buckets(op: str, pieces, step: _Step, implementation: str):
+def _resolved_buckets(op: str, pieces, step: _Step, implementation: str, block_scaled=False):
   """The implementation that runs ``op`` on all of ``pieces`` (resolved once, for the whole
   tree), and the buckets it runs: the layout's, or one leaf each on lax, whose TPU
   compiler overlaps a collective with compute only when its operand is a single array
   computed by a fusion, never a packed buffer (``torus_collectives.xla_settings``)."""
-  implementation = registry.resolve(implementation, collectives.request(op, pieces, step.axes))
+  request = collectives.request(op, pieces, step.axes)
+  request = dataclasses.replace(request, block_scaled=block_scaled)
+  implementation = registry.resolve(implementation, request)
   if registry.runs_lax(implementation):
     return implementation, [[i] for bucket in step.layout.buckets for i in bucket]
   return implementation, step.layout.buckets
 
 
-def _mean_shards(step: _Step, grad_leaves, implementation) -> list[jax.Array]:
+def _mean_shards(step: _Step, grad_leaves, implementation, transport_dtype) -> list[jax.Array]:
   """This device's shard of the mean of every gradient leaf, one reduce-scatter a bucket."""
   layout, p = step.layout, step.p
   with jax.named_scope(GRADIENT_SCOPE):
     pieces = [packing.as_rows(leaf, p) for leaf in grad_leaves]
-    implementation, buckets = _resolved_buckets("reduce_scatter", pieces, step, implementation)
+    implementation, buckets = _resolved_buckets(
+      "reduce_scatter", pieces, step, implementation, transport_dtype is not None
+    )
     summed = packing.through_buckets(
-      lambda flat: reduce_scatter(flat, step.axes, tiled=True, implementation=implementation),
+      lambda flat: reduce_scatter(
+        flat, step.axes, tiled=True, implementation=implementation, transport_dtype=transport_dtype
+      ),
       pieces,
       buckets,
       layout.shard_sizes,
