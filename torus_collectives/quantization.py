@@ -279,7 +279,11 @@ def error_bound(collective: str, torus: Sequence[int], transport: Transport) -> 
 
 
 def simulate(
-  collective: str, torus: Sequence[int], buffers: np.ndarray, transport: Transport
+  collective: str,
+  torus: Sequence[int],
+  buffers: np.ndarray,
+  transport: Transport,
+  schedule: schedule_lib.Schedule | None = None,
 ) -> np.ndarray:
   """The schedule of ``collective`` run in numpy float32 on ``p`` virtual devices, with
   the same quantization, order of adds and layout as the ``shard_map`` implementation:
@@ -289,10 +293,12 @@ def simulate(
   grid of an all-gather holds each device's own chunk at its own coordinates, the rest is
   ignored), with ``width`` a multiple of ``streams * block``, on a torus without axes of
   size one. Returns the same shape: the grid each device ends with (NaN outside the own
-  chunk after a reduce-scatter).
+  chunk after a reduce-scatter). ``schedule``: another schedule of ``collective`` on
+  ``torus`` (default: ``schedule.default_variant``'s), e.g. one stream of it.
   """
   torus = tuple(torus)
-  schedule = schedule_lib.build(collective, torus, schedule_lib.default_variant(torus))
+  if schedule is None:
+    schedule = schedule_lib.build(collective, torus, schedule_lib.default_variant(torus))
   width = buffers.shape[-1] // schedule.num_streams
   state = np.array(buffers, np.float32)
   devices = list(np.ndindex(*torus))
