@@ -8,6 +8,7 @@ import pytest
 
 from bench import cost_model_report
 from torus_collectives import cost_model as cm
+from torus_collectives import quantization
 from torus_collectives import schedule as schedule_lib
 
 V5E = cm.GENERATIONS["v5e"]
@@ -265,3 +266,118 @@ def test_pipelined_adds_hide_behind_the_links(generation, torus):
   assert predict("all_gather", reduce_pieces=1).reduce_s == 0
   with pytest.raises(ValueError, match="reduce_pieces"):
     predict("all_reduce", reduce_pieces=0)
+
+
+# ---------------------------------------------------------------------------------------
+# Block-scaled transport and multislice.
+
+INT8 = quantization.BlockScaled("int8", 128)  # 128 int8 values + a bfloat16 scale: 130 bytes
+V6E = cm.GENERATIONS["v6e"]
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("torus,variant", [((8,), "ring"), ((4, 4), "torus_split")])
+def test_int8_transport_prices_bandwidth_at_the_wire_byte_ratio(torus, variant, itemsize):
+  nbytes = 1e8
+  plain = cm.predict("all_reduce", torus, variant, nbytes, V5E)
+  int8 = cm.predict("all_reduce", torus, variant, nbytes, V5E, transport=INT8, itemsize=itemsize)
+  assert int8.bandwidth_s == pytest.approx(plain.bandwidth_s * 130 / 128 / itemsize, rel=1e-12)
+  assert int8.latency_s == plain.latency_s  # same steps, same hops
+  assert int8.bound_s == plain.bound_s  # the unquantized dtype's bound
+  assert int8.transport == (INT8,) * len(torus)
+
+
+def test_transport_on_one_axis_scales_only_its_hops():
+  # The plain torus on 2x4, chunk c = S/8, one stream: x reduce-scatter moves one row of
+  # 4 chunks (4c), y three steps of c, then the gather back: 14c over one link at a time,
+  # 8c of it along x. With int8 from bfloat16 on x only: 8c * 130/256 + 6c.
+  nbytes = 8e6
+  c = nbytes / 8
+  plain = cm.predict("all_reduce", (2, 4), "torus", nbytes, NO_LATENCY)
+  x_only = cm.predict(
+    "all_reduce", (2, 4), "torus", nbytes, NO_LATENCY, transport=(INT8, None), itemsize=2
+  )
+  assert plain.bandwidth_s == pytest.approx(14 * c / V5E.link_bandwidth, rel=1e-12)
+  assert x_only.bandwidth_s == pytest.approx(
+    (8 * c * 130 / 256 + 6 * c) / V5E.link_bandwidth, rel=1e-12
+  )
+  sched = schedule_lib.build("all_reduce", (2, 4), "torus")
+  loads = cm.link_bytes(sched, nbytes, transport=(INT8, None), itemsize=2)
+  assert loads.sum() == pytest.approx(8 * (8 * c * 130 / 256 + 6 * c), rel=1e-12)
+
+
+def test_no_transport_leaves_predictions_unchanged():
+  for kw in (
+    {},
+    {"transport": None},
+    {"transport": (None, None)},
+    {"transport": (None, None), "itemsize": 2},
+  ):
+    pred = cm.predict("all_reduce", (4, 4), "torus_split", 1e7, V5E, reduce_pieces=4, **kw)
+    assert pred == cm.predict("all_reduce", (4, 4), "torus_split", 1e7, V5E, reduce_pieces=4)
+    assert pred.transport is None
+
+
+def test_transport_errors():
+  with pytest.raises(ValueError, match="itemsize"):
+    cm.predict("all_reduce", (4, 4), "torus", 1e6, V5E, transport=INT8)
+  with pytest.raises(ValueError, match="per axis"):
+    cm.predict("all_reduce", (8,), "ring", 1e6, V5E, transport=(INT8, INT8), itemsize=2)
+  with pytest.raises(ValueError, match="reduce_pieces"):
+    cm.predict("all_reduce", (4, 4), "torus", 1e6, V5E, transport=INT8, itemsize=2, reduce_pieces=2)
+
+
+@pytest.mark.parametrize("num_slices,dcn_us", [(2, 320.0), (4, 480.0), (8, 560.0)])
+def test_multislice_dcn_term_by_hand(num_slices, dcn_us):
+  # v5e 4x4 slices (2 hosts of 8 chips), 16 MB: each chip's shard is 1 MB. The DCN ring
+  # over n slices sends 2 (n - 1) / n MB per chip, 8 chips share a host's 2 x 100 Gbps
+  # (25 GB/s): 16 (n - 1) / n MB / 25 GB/s = 320, 480, 560 us for n = 2, 4, 8; and
+  # 2 (n - 1) hops of 10 us.
+  pred = cm.multislice_all_reduce(V5E, (4, 4), num_slices, 16e6)
+  assert pred.dcn_bytes_per_host == pytest.approx(16e6 * (num_slices - 1) / num_slices)
+  assert pred.dcn_bandwidth_s == pytest.approx(dcn_us * 1e-6, rel=1e-12)
+  assert pred.dcn_latency_s == pytest.approx(2 * (num_slices - 1) * 10e-6, rel=1e-12)
+  rs, ag = (
+    cm.predict(c, (4, 4), "torus_split", 16e6, V5E) for c in ("reduce_scatter", "all_gather")
+  )
+  assert pred.ici_s == pytest.approx(rs.time_s + ag.time_s, rel=1e-12)
+  assert pred.time_s == pytest.approx(pred.ici_s + dcn_us * 1e-6 + pred.dcn_latency_s, rel=1e-12)
+
+
+def test_multislice_int8_on_dcn_cuts_only_the_dcn_bandwidth_term():
+  nbytes = cm.RESNET50_PARAMS * 2
+  plain = cm.multislice_all_reduce(V6E, (16, 16), 4, nbytes, itemsize=2)
+  int8 = cm.multislice_all_reduce(V6E, (16, 16), 4, nbytes, INT8, itemsize=2)
+  assert int8.dcn_bandwidth_s == pytest.approx(plain.dcn_bandwidth_s * 130 / 256, rel=1e-12)
+  assert int8.dcn_latency_s == plain.dcn_latency_s
+  assert (int8.reduce_scatter, int8.all_gather) == (plain.reduce_scatter, plain.all_gather)
+  # v6e: 8 chips share 4 x 200 Gbps; 2 (3/4) of a 1/256 shard each.
+  assert plain.dcn_bandwidth_s == pytest.approx(1.5 * 8 * nbytes / 256 / 100e9, rel=1e-12)
+
+
+def test_one_slice_is_the_ici_all_reduce_and_small_slices_share_a_host():
+  one = cm.multislice_all_reduce(V5E, (4, 4), 1, 1e7)
+  assert one.dcn_s == 0
+  ici = cm.predict("all_reduce", (4, 4), "torus_split", 1e7, V5E)
+  assert one.time_s == pytest.approx(ici.time_s, rel=1e-12)
+  # A 2x2 slice holds half a host: its 4 chips share the NICs (not 8).
+  small = cm.multislice_all_reduce(V5E, (2, 2), 2, 4e6, dcn_hop_latency=0.0)
+  assert small.dcn_s == pytest.approx(4e6 / 25e9, rel=1e-12)
+  with pytest.raises(ValueError, match="num_slices"):
+    cm.multislice_all_reduce(V5E, (4, 4), 0, 1e7)
+  with pytest.raises(ValueError, match="no DCN constants"):
+    cm.multislice_all_reduce(cm.GENERATIONS["v3"], (4, 4), 2, 1e7)
+
+
+def test_report_prints_int8_and_multislice_sections():
+  rows = cost_model_report.resnet50_table(
+    pods=(("v5e", (16, 16)),), transport=cost_model_report.INT8
+  )
+  text = cost_model_report.format_predictions(rows)
+  assert len([line for line in text.splitlines() if line.startswith("int8/128")]) == 2 * 4
+  split = [r for r in rows if r["prediction"].variant == "torus_split"]
+  for row in split:  # bandwidth-bound, so int8 halves (bf16) or quarters (f32) it
+    ratio = row["prediction"].bandwidth_s / row["unquantized"].bandwidth_s
+    assert ratio == pytest.approx(130 / 128 / cost_model_report.DTYPE_BYTES[row["dtype"]])
+  multi = cost_model_report.format_multislice(cost_model_report.multislice_table())
+  assert "4 x v5e 16x16" in multi and "int8/128" in multi

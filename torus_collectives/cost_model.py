@@ -34,9 +34,27 @@ fallback execute, so the model cannot drift from the algorithm:
   or drain is paid once per phase. A step that starts a phase in any stream waits for
   the step before it to finish.
 
+* Optionally (``transport``), block-scaled transport (``torus_collectives.quantization``):
+  a hop along a quantized axis moves ``fmt.wire_bytes_per_element`` bytes per element (the
+  int8 or fp8 values and one bfloat16 scale per block) instead of the unquantized dtype's
+  ``itemsize``, so its bytes are scaled by ``wire_bytes_per_element / itemsize`` (0.508 for
+  int8 blocks of 128 against bfloat16, 0.254 against float32); hops along other axes are
+  priced as before. This holds for both phases: the ``shard_map`` schedule sends the
+  reduce-scatter's partial sums quantized and forwards the all-gather's quantized bytes as
+  they are. The padding of each stream's slice to whole blocks is not priced (under one
+  block per stream and chunk), nor is the quantization's arithmetic. The lower bound stays
+  that of the unquantized dtype, so a quantized schedule can beat it.
+
+* Multislice (``multislice_all_reduce``): slices joined by the data-centre network (DCN)
+  run a hierarchical all-reduce, the ICI reduce-scatter within each slice, a ring
+  all-reduce over DCN among the chips at the same position in every slice, each of its own
+  ``1/p`` shard, then the ICI all-gather. DCN is priced per host (``DcnHost``): a host's
+  NICs carry the DCN traffic of all its chips.
+
 Not modelled: DMA issue overhead beyond ``alpha``, overlap of a step's latency with the
 previous step's transfer, the HBM traffic of the DMAs themselves, and contention with other
-traffic. The figures are modelled, never measured.
+traffic; for multislice, overlap of the DCN phase with the ICI phases and any congestion in
+the data-centre fabric beyond the hosts' NICs. The figures are modelled, never measured.
 
 The physical lower bound for an all-reduce of ``S`` bytes over ``p`` chips with ``L``
 links each is ``2 (p - 1) / p * S / (L B)``: every chip must send (and receive) that many
@@ -65,6 +83,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from torus_collectives import quantization
 from torus_collectives import schedule as schedule_lib
 
 # torchvision / Keras ResNet-50: 25,557,032 trainable parameters (the paper's "25.6M").
@@ -125,6 +144,45 @@ GENERATIONS = {
   )
 }
 
+# Per-hop latency of the data-centre network between slices: the time a transfer between
+# two hosts takes beyond its bytes (NICs, switches, host software). No Cloud TPU page
+# publishes it; 10 us per hop is an assumption, the same for all generations; override it
+# (``dcn_hop_latency=``, ``--dcn-alpha`` in the report).
+DEFAULT_DCN_HOP_LATENCY_S = 10e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class DcnHost:
+  """The data-centre network of one TPU host: the chips that share it and its NICs'
+  bandwidth, one direction (bytes/s, all NICs together; full duplex, so a host sends and
+  receives that much at once)."""
+
+  chips_per_host: int
+  bandwidth: float
+  hop_latency: float = DEFAULT_DCN_HOP_LATENCY_S
+
+  def __post_init__(self):
+    if self.chips_per_host < 1 or self.bandwidth <= 0 or self.hop_latency < 0:
+      raise ValueError(f"invalid DCN host constants: {self}")
+
+
+DCN_HOSTS = {
+  # Cloud TPU documentation, "TPU v5e" system architecture table: 8 chips per host,
+  # per-host NIC configuration 2 x 100 Gbps, data-centre network bandwidth per 256-chip Pod
+  # 6.4 Tbps (= 32 hosts x 200 Gbps, consistent: its slice table gives a 16x16 slice 32
+  # hosts). A v5e VM holds 1, 4 or 8 chips; the host's NICs, not the VM, are the shared
+  # resource priced here. A NIC's Gbit/s is taken as its line rate in each direction
+  # (Ethernet is full duplex).
+  "v5e": DcnHost(chips_per_host=8, bandwidth=2 * 100e9 / 8),
+  # Cloud TPU documentation, "TPU v6e": 8 chips per host, per-host NIC configuration
+  # 4 x 200 Gbps, data-centre network bandwidth per Pod 25.6 Tbps (= 32 hosts x 800 Gbps;
+  # a 16x16 slice: 32 hosts, 64 VMs of 4 chips).
+  "v6e": DcnHost(chips_per_host=8, bandwidth=4 * 200e9 / 8),
+  # Cloud TPU documentation, "TPU v5p": data-centre network bandwidth 50 Gbps per chip,
+  # 4-chip VMs (one host each) -> 200 Gbps per host.
+  "v5p": DcnHost(chips_per_host=4, bandwidth=4 * 50e9 / 8),
+}
+
 RING_ORDERS = ("snake", "row_major")
 
 
@@ -132,7 +190,9 @@ RING_ORDERS = ("snake", "row_major")
 class Prediction:
   """Modelled time of one collective; ``bandwidth_s + latency_s + reduce_s == time_s``.
 
-  ``reduce_s`` is the time the reduction's adds add to the link time (0 unless priced)."""
+  ``reduce_s`` is the time the reduction's adds add to the link time (0 unless priced).
+  ``transport``: the block-scaled format of each logical axis (None: unquantized); the
+  bound ``bound_s`` is always that of the unquantized ``nbytes``."""
 
   collective: str
   variant: str
@@ -144,6 +204,7 @@ class Prediction:
   latency_s: float
   bound_s: float
   reduce_s: float = 0.0
+  transport: quantization.Transport | None = None
 
   @property
   def time_s(self) -> float:
@@ -265,13 +326,46 @@ def _embedding(
   return physical, _shift_loads(sched.torus, physical, order)
 
 
-def _step_loads(sched: schedule_lib.Schedule, nbytes: float, loads: dict):
+def wire_scale(transport, num_axes: int, itemsize: float | None) -> tuple[float, ...]:
+  """The factor block-scaled ``transport`` applies to the bytes of a hop along each of
+  ``num_axes`` logical axes: ``fmt.wire_bytes_per_element / itemsize`` on a quantized axis,
+  1 on the others. ``transport``: None, one ``quantization.BlockScaled`` for every axis, or
+  a sequence of one (or None) per axis; ``itemsize``: bytes per element of the unquantized
+  dtype (needed only where an axis is quantized)."""
+  per_axis = _per_axis(transport, num_axes)
+  if any(per_axis) and not (itemsize and itemsize > 0):
+    raise ValueError(
+      f"a quantized transport needs the unquantized dtype's itemsize, got {itemsize=}"
+    )
+  return tuple(1.0 if f is None else f.wire_bytes_per_element / itemsize for f in per_axis)
+
+
+def _per_axis(transport, num_axes: int) -> quantization.Transport:
+  """``transport`` (see ``wire_scale``) as one format or None per axis."""
+  if transport is None or isinstance(transport, quantization.BlockScaled):
+    return (transport,) * num_axes
+  per_axis = tuple(transport)
+  if len(per_axis) != num_axes or not all(
+    f is None or isinstance(f, quantization.BlockScaled) for f in per_axis
+  ):
+    raise ValueError(
+      f"transport must be None, a quantization.BlockScaled or one of those (or None) per "
+      f"axis of the {num_axes}-axis schedule, got {transport!r}"
+    )
+  return per_axis
+
+
+def _step_loads(
+  sched: schedule_lib.Schedule, nbytes: float, loads: dict, scale: Sequence[float] | None = None
+):
   """(bytes on every physical link, max hops, bytes each device adds, whether every stream
   continues the ring phase of the step before, how many steps) for each distinct step.
 
-  Steps that move the same slabs along the same logical hops load the links alike, so
-  each kind of step is priced once.
+  ``scale`` (one factor per logical axis, ``wire_scale``) multiplies the bytes of the hops
+  along that axis; the adds are of unquantized values. Steps that move the same slabs along
+  the same logical hops load the links alike, so each kind of step is priced once.
   """
+  scale = scale or (1.0,) * len(sched.torus)
   chunk = nbytes / sched.num_devices / sched.num_streams
   counts = collections.Counter(
     (
@@ -284,7 +378,10 @@ def _step_loads(sched: schedule_lib.Schedule, nbytes: float, loads: dict):
     for step in sched.steps()
   )
   for (signature, continues), count in counts.items():
-    link = sum(loads[axis, direction][0] * slab * chunk for axis, direction, slab, _ in signature)
+    link = sum(
+      loads[axis, direction][0] * slab * chunk * scale[axis]
+      for axis, direction, slab, _ in signature
+    )
     hops = max(loads[axis, direction][1] for axis, direction, _, _ in signature)
     added = sum(slab * chunk for *_, slab, kind in signature if kind == "reduce_scatter")
     yield link, hops, added, continues, count
@@ -295,11 +392,16 @@ def link_bytes(
   nbytes: float,
   physical: Sequence[int] | None = None,
   order: str = "snake",
+  *,
+  transport=None,
+  itemsize: float | None = None,
 ) -> np.ndarray:
-  """Total bytes each directed physical link carries (index: ``link_key``)."""
+  """Total bytes each directed physical link carries (index: ``link_key``), with hops
+  along axes of a block-scaled ``transport`` scaled as ``wire_scale`` says."""
   physical, loads = _embedding(sched, physical, order)
+  scale = wire_scale(transport, len(sched.torus), itemsize)
   total = np.zeros(_num_links(physical))
-  for link, _, _, _, count in _step_loads(sched, nbytes, loads):
+  for link, _, _, _, count in _step_loads(sched, nbytes, loads, scale):
     total += count * link
   return total
 
@@ -327,6 +429,8 @@ def predict(
   order: str = "snake",
   logical: Sequence[int] | None = None,
   reduce_pieces: int | None = None,
+  transport=None,
+  itemsize: float | None = None,
 ) -> Prediction:
   """Modelled time of ``collective`` over ``nbytes`` (full size) on a ``physical`` torus.
 
@@ -335,6 +439,13 @@ def predict(
   ``placement`` says, with rings laid out in ``order``. ``reduce_pieces`` prices the
   reduce-scatter's adds with each slab cut into that many pipelined pieces (1: added only
   once whole; see the module docstring); None leaves them out.
+
+  ``transport``: block-scaled transport, one ``quantization.BlockScaled`` for every logical
+  axis or one (or None) per logical axis (a ring has one); ``nbytes`` is then the size in
+  the unquantized dtype of ``itemsize`` bytes, and a hop along a quantized axis moves
+  ``wire_bytes_per_element / itemsize`` of its bytes (``wire_scale``). The pipelined adds
+  are those of the Pallas kernels, which refuse block-scaled transport: ``reduce_pieces``
+  with a quantized axis is an error.
   """
   if reduce_pieces is not None and reduce_pieces < 1:
     raise ValueError(f"reduce_pieces must be None or at least 1, got {reduce_pieces=}")
@@ -352,9 +463,16 @@ def predict(
     ring = variant in (schedule_lib.Variant.RING, schedule_lib.Variant.BIDIRECTIONAL_RING)
     logical = (p,) if ring else physical
   sched = schedule_lib.build(collective, tuple(logical), variant)
+  per_axis = _per_axis(transport, len(sched.torus))
+  if any(per_axis) and reduce_pieces is not None:
+    raise ValueError(
+      "reduce_pieces prices the Pallas kernels' pipelined adds, and the kernels refuse "
+      "block-scaled transport (it runs in the shard_map schedule): pass reduce_pieces=None"
+    )
+  scale = wire_scale(per_axis, len(sched.torus), itemsize)
   _, loads = _embedding(sched, physical, order)
   bandwidth = latency = exposed_adds = 0.0
-  for link, hops, added, continues, count in _step_loads(sched, nbytes, loads):
+  for link, hops, added, continues, count in _step_loads(sched, nbytes, loads, scale):
     transfer = link.max() / generation.link_bandwidth
     bandwidth += count * transfer
     latency += count * hops * generation.hop_latency
@@ -376,6 +494,7 @@ def predict(
     latency,
     lower_bound(collective, p, nbytes, generation),
     exposed_adds,
+    per_axis if any(per_axis) else None,
   )
 
 
@@ -394,3 +513,117 @@ def compared_schedules(
       out.append((variant, (physical[0], physical[1] * physical[2])))
     out.append((variant, (p,) if ring else physical))
   return out
+
+
+# ----------------------------------------------------------------------------------------
+# Multislice: slices joined by the data-centre network.
+
+
+@dataclasses.dataclass(frozen=True)
+class MultislicePrediction:
+  """Modelled time of a hierarchical all-reduce over ``num_slices`` slices:
+  ``ici_s + dcn_s == time_s``, the phases one after another.
+
+  ``reduce_scatter`` and ``all_gather`` are the ICI phases within each slice (all slices
+  run them at once); ``dcn_bytes_per_host`` is what each host sends over DCN (and
+  receives), its chips' rings together, in wire bytes."""
+
+  reduce_scatter: Prediction
+  all_gather: Prediction
+  num_slices: int
+  host: DcnHost
+  dcn_bytes_per_host: float
+  dcn_bandwidth_s: float
+  dcn_latency_s: float
+  dcn_transport: quantization.BlockScaled | None = None
+
+  @property
+  def ici_s(self) -> float:
+    return self.reduce_scatter.time_s + self.all_gather.time_s
+
+  @property
+  def dcn_s(self) -> float:
+    return self.dcn_bandwidth_s + self.dcn_latency_s
+
+  @property
+  def time_s(self) -> float:
+    return self.ici_s + self.dcn_s
+
+
+def multislice_all_reduce(
+  generation: Generation,
+  slice_torus: Sequence[int],
+  num_slices: int,
+  nbytes: float,
+  dcn_transport: quantization.BlockScaled | None = None,
+  *,
+  itemsize: float | None = None,
+  variant: schedule_lib.Variant | str = "torus_split",
+  ici_transport=None,
+  host: DcnHost | None = None,
+  dcn_hop_latency: float | None = None,
+  order: str = "snake",
+) -> MultislicePrediction:
+  """Modelled all-reduce of ``nbytes`` (full size, in the dtype of ``itemsize`` bytes)
+  over ``num_slices`` slices of ``slice_torus`` chips, joined by DCN.
+
+  Algorithm (hierarchical): (1) the ICI reduce-scatter of ``variant`` within each slice
+  (``predict``), leaving each of the slice's ``p`` chips the slice's sum of one shard of
+  ``nbytes / p``; (2) for every chip position, a ring all-reduce of that shard over DCN
+  among the ``n = num_slices`` chips at that position, a ring reduce-scatter then a ring
+  all-gather: ``2 (n - 1)`` steps, each sending ``shard / n`` per chip; (3) the ICI
+  all-gather within each slice.
+
+  DCN price: all chips of a host (``min(chips_per_host, p)`` of them) run their rings at
+  once and share the host's NICs, so a step costs ``hop_latency + c * shard / n * r /
+  bandwidth``, with ``c`` the chips sharing the host and ``r`` the wire-byte ratio of
+  ``dcn_transport`` (``wire_scale``; 1 unquantized): DCN costs
+
+      2 (n - 1) / n * c * (nbytes / p) * r / bandwidth  +  2 (n - 1) * hop_latency.
+
+  Assumptions: the fabric between hosts is non-blocking (only the NICs limit), the three
+  phases do not overlap, and the hosts' NICs carry only this traffic. ``host`` defaults to
+  ``DCN_HOSTS[generation.name]``, its latency to ``dcn_hop_latency`` where given.
+  ``dcn_transport`` quantizes the DCN hops only; ``ici_transport`` (as ``predict``'s
+  ``transport``) the ICI phases.
+  """
+  if not isinstance(num_slices, int) or num_slices < 1:
+    raise ValueError(f"num_slices must be a positive int, got {num_slices!r}")
+  if host is None:
+    if generation.name not in DCN_HOSTS:
+      raise ValueError(
+        f"no DCN constants for {generation.name} (known: {sorted(DCN_HOSTS)}): pass host="
+      )
+    host = DCN_HOSTS[generation.name]
+  if dcn_hop_latency is not None:
+    host = dataclasses.replace(host, hop_latency=dcn_hop_latency)
+  if dcn_transport is not None and not isinstance(dcn_transport, quantization.BlockScaled):
+    raise ValueError(
+      f"dcn_transport must be None or a quantization.BlockScaled, got {dcn_transport!r}"
+    )
+  (ratio,) = wire_scale(dcn_transport, 1, itemsize)
+  phases = [
+    predict(
+      collective,
+      slice_torus,
+      variant,
+      nbytes,
+      generation,
+      order=order,
+      transport=ici_transport,
+      itemsize=itemsize,
+    )
+    for collective in ("reduce_scatter", "all_gather")
+  ]
+  p, n = int(np.prod(slice_torus)), num_slices
+  sharing = min(host.chips_per_host, p)
+  per_host = 2 * (n - 1) / n * sharing * nbytes / p * ratio
+  return MultislicePrediction(
+    *phases,
+    num_slices=n,
+    host=host,
+    dcn_bytes_per_host=per_host,
+    dcn_bandwidth_s=per_host / host.bandwidth,
+    dcn_latency_s=2 * (n - 1) * host.hop_latency,
+    dcn_transport=dcn_transport,
+  )
