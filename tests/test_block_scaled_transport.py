@@ -362,3 +362,22 @@ def test_the_bound_counts_hops_per_axis():
   assert quantization.error_bound("all_reduce", (8,), (INT8,)) == pytest.approx(
     (1 + d) ** 8 * (1 + 2.0**-24) ** 8 - 1
   )
+
+
+def test_int8_on_the_slow_axis_only():
+  """Multislice: ``{"dcn": jnp.int8}`` quantizes only the hops between slices (the outer
+  axis); the gradient summation equals the backend with that per-axis transport bitwise,
+  and its bound counts the DCN hops alone."""
+  mesh = harness.mesh((2, 2, 2), ("dcn", "x", "y"))
+  names = ("dcn", "x", "y")
+  g = harness.random_floats((8, 3000), seed=11)
+  fn = lambda v: tc.all_reduce_gradients(v, names, mean=False, transport_dtype={"dcn": jnp.int8})
+  ours = np.asarray(harness.per_device(fn, mesh, g))
+  transport = (INT8, None, None)
+  backend_fn = lambda v: backend.all_reduce(v, names, (2, 2, 2), transport=transport)
+  np.testing.assert_array_equal(
+    ours, np.asarray(harness.per_device(backend_fn, mesh, g, check_vma=False))
+  )
+  np.testing.assert_array_equal(ours, _model("all_reduce", (2, 2, 2), g, transport))
+  assert quantization.quantizations("all_reduce", (2, 2, 2), transport) == 2
+  _assert_within_bound("all_reduce", (2, 2, 2), g, ours, transport)
