@@ -381,3 +381,44 @@ def test_int8_on_the_slow_axis_only():
   np.testing.assert_array_equal(ours, _model("all_reduce", (2, 2, 2), g, transport))
   assert quantization.quantizations("all_reduce", (2, 2, 2), transport) == 2
   _assert_within_bound("all_reduce", (2, 2, 2), g, ours, transport)
+
+
+def test_sharded_update_error_feedback_keeps_the_running_sum_unbiased():
+  """SGD with learning rate 1 from zero weights on the same gradients for T steps: the
+  weights are minus the sum of the T averaged gradients. With error feedback in the state
+  they are within one step's error of T times the exact mean; without it the error grows
+  T times. The state holds the residual whole per device."""
+  mesh = harness.mesh((2, 4))
+  names = ("x", "y")
+  params = {"w": jnp.zeros((48, 20), jnp.float32), "b": jnp.zeros((7,), jnp.float32)}
+  grads = {
+    "w": harness.random_floats((8, 48, 20), seed=8),
+    "b": harness.random_floats((8, 7), seed=9),
+  }
+  T = 12
+
+  def run(g, error_feedback):
+    sharded = tc.sharded_update(
+      optax.sgd(1.0), names, transport_dtype=jnp.int8, error_feedback=error_feedback
+    )
+    state = sharded.init(params)
+    weights = params
+    for _ in range(T):
+      weights, state = sharded.apply_gradients(g, state, weights)
+    return weights, state
+
+  with_ef, state = harness.per_device(lambda g: run(g, True), mesh, grads, check_vma=False)
+  without, _ = harness.per_device(lambda g: run(g, False), mesh, grads, check_vma=False)
+  assert state.residual["w"].shape == (8, 1, 48, 20)
+  one_step = quantization.error_bound("reduce_scatter", (2, 4), (INT8, INT8))
+  for name in params:
+    exact = -T * grads[name].astype(np.float64).mean(0)
+    scale = np.abs(grads[name]).max()  # the mean's share of sum_i a_i: 8 a / 8
+    ef_error = np.max(np.abs(np.asarray(with_ef[name][0]) - exact))
+    assert ef_error <= 2 * one_step * scale + 1e-5
+    assert np.max(np.abs(np.asarray(without[name][0]) - exact)) > 3 * ef_error
+
+
+def test_sharded_update_error_feedback_needs_block_scaled_transport():
+  with pytest.raises(ValueError, match="error_feedback=True needs a block-scaled"):
+    tc.sharded_update(optax.sgd(1.0), "x", error_feedback=True)

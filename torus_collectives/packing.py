@@ -137,19 +137,21 @@ def through_buckets(
   pieces: Sequence[jax.Array],
   buckets: Sequence[Sequence[int]],
   widths: Sequence[int],
-  rows: int | None = None,
+  rows: int | None | tuple = None,
 ) -> list[jax.Array]:
   """For each bucket: its pieces packed into one buffer, ``collective`` applied to it (one
   call per bucket, in bucket order), and the result unpacked into per-leaf pieces of
   ``widths`` (indexed as the leaves; see ``unpack`` for ``rows``). A collective that
-  returns a tuple of buffers of the same layout gives a tuple of such lists."""
+  returns a tuple of buffers gives a tuple of such lists (``rows`` then one entry per
+  buffer, or one for all)."""
   outs: list[list] | None = None
   for bucket in buckets:
     result = collective(pack([pieces[i] for i in bucket]))
     results = result if isinstance(result, tuple) else (result,)
     outs = outs or [[None] * len(pieces) for _ in results]
-    for out, buffer in zip(outs, results):
-      for i, piece in zip(bucket, unpack(buffer, [widths[i] for i in bucket], rows)):
+    layouts = rows if isinstance(rows, tuple) else (rows,) * len(results)
+    for out, buffer, layout in zip(outs, results, layouts):
+      for i, piece in zip(bucket, unpack(buffer, [widths[i] for i in bucket], layout)):
         out[i] = piece
   if outs is None:
     return [None] * len(pieces)

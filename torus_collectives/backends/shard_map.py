@@ -231,11 +231,19 @@ def _check_transport(x: jax.Array, transport) -> None:
 
 
 def reduce_scatter(
-  x: jax.Array, axes: AxisNames, torus: tuple[int, ...], tile=None, *, transport=None
-) -> jax.Array:
+  x: jax.Array,
+  axes: AxisNames,
+  torus: tuple[int, ...],
+  tile=None,
+  *,
+  transport=None,
+  with_residual: bool = False,
+):
   """(p*m,) -> (m,): this device's chunk of the sum, chunks row-major over ``axes``.
 
   With ``tile`` (extents of aligned replica groups, see ``groups``), within each group.
+  ``with_residual``: also returns what this device's quantizations took off, as a
+  ``(p*m,)`` float32 buffer in the input's layout (error feedback).
   """
   _check_transport(x, transport)
   sizes, torus = torus, tile or torus
@@ -243,10 +251,21 @@ def reduce_scatter(
   m = x.shape[0] // p
   width = _padded_width(m, torus, transport)
   grid = pad_chunks(x.astype(accumulation_dtype(x.dtype)), p, width)
-  out = _execute(
-    "reduce_scatter", grid.reshape(torus + (width,)), axes, torus, sizes, x.dtype, transport
+  result = _execute(
+    "reduce_scatter",
+    grid.reshape(torus + (width,)),
+    axes,
+    torus,
+    sizes,
+    x.dtype,
+    transport,
+    with_residual,
   )
-  return out.reshape(width)[:m].astype(x.dtype)
+  own = lambda out: out.reshape(width)[:m].astype(x.dtype)
+  if not with_residual:
+    return own(result)
+  out, residual = result
+  return own(out), residual.reshape(p, width)[:, :m].reshape(p * m)
 
 
 def all_gather(

@@ -94,7 +94,7 @@ from jax import lax
 
 from torus_collectives import axes, collectives, packing, quantization, registry
 from torus_collectives._optional import require
-from torus_collectives._vma import mark_invariant
+from torus_collectives._vma import ensure_varying, mark_invariant
 from torus_collectives.collectives import AxisName, all_gather, reduce_scatter
 from torus_collectives.gradients import DEFAULT_BUCKET_BYTES, GRADIENT_SCOPE, WEIGHT_GATHER_SCOPE
 from torus_collectives.layout import ceil_div
@@ -145,6 +145,15 @@ class ShardedUpdate(NamedTuple):
   gather_params: Callable[..., Any]
 
 
+class ErrorFeedbackState(NamedTuple):
+  """``sharded_update(..., error_feedback=True)``'s state: the inner transformation's,
+  and this device's quantization residual of every gradient leaf (float32, whole leaves:
+  ``[1, *shape]`` per device), added to the next step's gradients."""
+
+  inner: Any
+  residual: Any
+
+
 @dataclasses.dataclass(frozen=True)
 class _Step:
   """What one call knows about the parameters: axes, layout, and this device's shards."""
@@ -171,6 +180,7 @@ def sharded_update(
   bucket_bytes: int = DEFAULT_BUCKET_BYTES,
   implementation: Implementation = "auto",
   transport_dtype: Any = None,
+  error_feedback: bool = False,
 ) -> ShardedUpdate:
   """``tx`` with its update sharded over the devices of ``axis_name`` (see module doc).
 
@@ -186,6 +196,10 @@ def sharded_update(
       (``jnp.int8``, an fp8 dtype, a ``tc.BlockScaled`` or a mapping per axis; see
       ``all_reduce_gradients``). The weights' all-gather is never quantized: it moves the
       parameters themselves, exactly.
+    error_feedback: with block-scaled transport, carry what this device's quantizations
+      took off the gradients in the state (``ErrorFeedbackState``) and add it to the next
+      step's, so that over steps the summed gradients lose only the last residual
+      (EF-SGD). Costs a float32 copy of the whole gradient per device.
 
   Returns:
     ``init(params) -> state``, ``update(grads, state, params) -> (updates, state)`` and
@@ -215,7 +229,9 @@ def sharded_update(
       f"sharded_update's transport_dtype takes a block-scaled format (jnp.int8, an fp8 "
       f"dtype, tc.BlockScaled or a mapping per axis), got {transport_dtype!r}"
     )
-  sharding = _Sharding(tx, axis_name, bucket_bytes, implementation, transport_dtype)
+  if error_feedback and transport_dtype is None:
+    raise ValueError("error_feedback=True needs a block-scaled transport_dtype such as jnp.int8")
+  sharding = _Sharding(tx, axis_name, bucket_bytes, implementation, transport_dtype, error_feedback)
   return ShardedUpdate(
     sharding.init,
     sharding.update,
@@ -234,6 +250,7 @@ class _Sharding:
   bucket_bytes: int
   implementation: str
   transport_dtype: Any = None
+  error_feedback: bool = False
 
   def setup(self, params) -> _Step:
     names, torus = _bound_torus(self.axis_name)
@@ -258,7 +275,11 @@ class _Sharding:
       step.shards.cut(leaf, leaf.shape).local if is_sharded else leaf
       for leaf, is_sharded in zip(leaves, sharded)
     ]
-    return jax.tree.unflatten(state_def, [x[None] for x in stored])
+    state = jax.tree.unflatten(state_def, [x[None] for x in stored])
+    if not self.error_feedback:
+      return state
+    residual = jax.tree.map(lambda p: jnp.zeros((1, *p.shape), jnp.float32), params)
+    return ErrorFeedbackState(state, residual)
 
   def sharded_step(self, grads, state, params):
     """Reduce-scatter and the inner update on this device's shards: (step, the update's
@@ -270,8 +291,21 @@ class _Sharding:
     step = self.setup(params)
     _check_floating(grads, "gradients")
     grad_leaves = step.treedef.flatten_up_to(grads)
+    residual = None
+    if self.error_feedback:
+      if not isinstance(state, ErrorFeedbackState):
+        raise ValueError("error_feedback=True: pass the state that this sharded_update's init made")
+      state, residual = state
+      residual = [r[0] for r in step.treedef.flatten_up_to(residual)]
+      grad_leaves = [
+        (g.astype(jnp.float32) + r).astype(g.dtype) for g, r in zip(grad_leaves, residual)
+      ]
     step = dataclasses.replace(step, layout=_Layout.of(grad_leaves, step.p, self.bucket_bytes))
-    grad_shards = _mean_shards(step, grad_leaves, self.implementation, self.transport_dtype)
+    grad_shards = _mean_shards(
+      step, grad_leaves, self.implementation, self.transport_dtype, residual is not None
+    )
+    if residual is not None:
+      grad_shards, residual = grad_shards
     whole_state = jax.eval_shape(self.tx.init, params)
     sharded = _sharded_state(self.tx, step, params, whole_state)
     state_leaves, state_def = jax.tree.flatten(state)
@@ -288,7 +322,10 @@ class _Sharding:
       _stored(step, value, shape, is_sharded)
       for value, shape, is_sharded in zip(new_state, state_shapes, sharded)
     ]
-    return step, update_shards, jax.tree.unflatten(state_def, [x[None] for x in stored])
+    new_state = jax.tree.unflatten(state_def, [x[None] for x in stored])
+    if residual is not None:
+      new_state = ErrorFeedbackState(new_state, step.treedef.unflatten([r[None] for r in residual]))
+    return step, update_shards, new_state
 
   def gather(self, step: _Step, shards: list[jax.Array]):
     return _all_gather_leaves(step, self.implementation, step.treedef.unflatten(shards))
@@ -353,27 +390,49 @@ def _resolved_buckets(op: str, pieces, step: _Step, implementation: str, block_s
   return implementation, step.layout.buckets
 
 
-def _mean_shards(step: _Step, grad_leaves, implementation, transport_dtype) -> list[jax.Array]:
-  """This device's shard of the mean of every gradient leaf, one reduce-scatter a bucket."""
+def _mean_shards(
+  step: _Step, grad_leaves, implementation, transport_dtype, with_residual=False
+) -> list[jax.Array] | tuple[list[jax.Array], list[jax.Array]]:
+  """This device's shard of the mean of every gradient leaf, one reduce-scatter a bucket;
+  ``with_residual``: and, per leaf, what this device's quantizations took off it (whole
+  leaves, error feedback; through the backend itself, which returns it)."""
   layout, p = step.layout, step.p
   with jax.named_scope(GRADIENT_SCOPE):
     pieces = [packing.as_rows(leaf, p) for leaf in grad_leaves]
     implementation, buckets = _resolved_buckets(
       "reduce_scatter", pieces, step, implementation, transport_dtype is not None
     )
-    summed = packing.through_buckets(
-      lambda flat: reduce_scatter(
+    if with_residual:
+      collective = functools.partial(
+        _reduce_scatter_with_residual, step, implementation, transport_dtype
+      )
+    else:
+      collective = lambda flat: reduce_scatter(
         flat, step.axes, tiled=True, implementation=implementation, transport_dtype=transport_dtype
-      ),
-      pieces,
-      buckets,
-      layout.shard_sizes,
+      )
+    summed = packing.through_buckets(
+      collective, pieces, buckets, layout.shard_sizes, rows=(None, p) if with_residual else None
     )
+  residual = None
+  if with_residual:
+    summed, residual = summed
+    residual = [packing.from_rows(r, shape) for r, shape in zip(residual, layout.shapes)]
   # The mean, rounded as all_reduce_gradients rounds it.
-  return [
+  means = [
     (piece.astype(jnp.float32) * (1.0 / p)).astype(leaf.dtype)
     for piece, leaf in zip(summed, grad_leaves)
   ]
+  return means if residual is None else (means, residual)
+
+
+def _reduce_scatter_with_residual(step: _Step, implementation, transport_dtype, flat):
+  """The backend's block-scaled reduce-scatter of one packed bucket, and its residual."""
+  transport = quantization.transport_per_axis(transport_dtype, step.axes)
+  sizes = tuple(lax.axis_size(a) for a in step.axes)
+  backend = registry.collective_backend(implementation)
+  return backend.reduce_scatter(
+    ensure_varying(flat, step.axes), step.axes, sizes, transport=transport, with_residual=True
+  )
 
 
 def _run_update(tx, step: _Step, grads, state_in, state_def, params, grad_like):
