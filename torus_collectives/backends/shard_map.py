@@ -230,6 +230,20 @@ def _check_transport(x: jax.Array, transport) -> None:
     )
 
 
+def _summed(collective, flat, p, axes, torus, sizes, dtype, transport, with_residual):
+  """A reduce-scatter or all-reduce of ``flat`` (``[p*m]``, partial sums already widened)
+  run on the padded chunk grid: (the own chunk ``[width]`` or the grid ``[p, width]``,
+  ``width``, and with ``with_residual`` the residual as ``[p*m]``, else None)."""
+  m = flat.shape[0] // p
+  width = _padded_width(m, torus, transport)
+  grid = pad_chunks(flat, p, width).reshape(torus + (width,))
+  result = _execute(collective, grid, axes, torus, sizes, dtype, transport, with_residual)
+  out, residual = result if with_residual else (result, None)
+  if residual is not None:
+    residual = residual.reshape(p, width)[:, :m].reshape(p * m)
+  return out, width, residual
+
+
 def reduce_scatter(
   x: jax.Array,
   axes: AxisNames,
@@ -249,23 +263,12 @@ def reduce_scatter(
   sizes, torus = torus, tile or torus
   p = math.prod(torus)
   m = x.shape[0] // p
-  width = _padded_width(m, torus, transport)
-  grid = pad_chunks(x.astype(accumulation_dtype(x.dtype)), p, width)
-  result = _execute(
-    "reduce_scatter",
-    grid.reshape(torus + (width,)),
-    axes,
-    torus,
-    sizes,
-    x.dtype,
-    transport,
-    with_residual,
+  flat = x.astype(accumulation_dtype(x.dtype))
+  out, width, residual = _summed(
+    "reduce_scatter", flat, p, axes, torus, sizes, x.dtype, transport, with_residual
   )
-  own = lambda out: out.reshape(width)[:m].astype(x.dtype)
-  if not with_residual:
-    return own(result)
-  out, residual = result
-  return own(out), residual.reshape(p, width)[:, :m].reshape(p * m)
+  own = out.reshape(width)[:m].astype(x.dtype)
+  return (own, residual) if with_residual else own
 
 
 def all_gather(
@@ -299,21 +302,9 @@ def all_reduce(
   sizes, torus = torus, tile or torus
   p, n = math.prod(torus), x.shape[0]
   m = ceil_div(n, p)
-  width = _padded_width(m, torus, transport)
   flat = pad_to(x.astype(accumulation_dtype(x.dtype)), p * m)
-  grid = pad_chunks(flat, p, width)
-  result = _execute(
-    "all_reduce",
-    grid.reshape(torus + (width,)),
-    axes,
-    torus,
-    sizes,
-    x.dtype,
-    transport,
-    with_residual,
+  out, width, residual = _summed(
+    "all_reduce", flat, p, axes, torus, sizes, x.dtype, transport, with_residual
   )
-  unpad = lambda g: g.reshape(p, width)[:, :m].reshape(p * m)[:n]
-  if not with_residual:
-    return unpad(result).astype(x.dtype)
-  out, residual = result
-  return unpad(out).astype(x.dtype), unpad(residual)
+  total = out.reshape(p, width)[:, :m].reshape(p * m)[:n].astype(x.dtype)
+  return (total, residual[:n]) if with_residual else total
