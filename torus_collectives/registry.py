@@ -40,8 +40,10 @@ caller's ``shard_map`` with ``axes`` bound and ``torus`` their sizes (same order
 * ``all_reduce(x, axes, torus)``: ``(n,) -> (n,)`` (``lax.psum(x, axes)``).
 
 A backend that runs replica groups (``axis_index_groups`` that tile the torus) takes
-``tile=`` (the group's extent per axis) as well, and one with ``pallas_kernels`` takes
-``config=``. ``unsupported`` reads from its record which requests an implementation cannot
+``tile=`` (the group's extent per axis) as well, one with ``pallas_kernels`` takes
+``config=``, and one with ``block_scaled_transport`` takes ``transport=`` (one
+``quantization.BlockScaled`` or None per axis), its reduce-scatter and all-reduce also
+``with_residual=`` (error feedback: they then return the quantization residual too). ``unsupported`` reads from its record which requests an implementation cannot
 run; ``resolve`` sends those to XLA for "auto", and raises that error for an explicit
 choice.
 """
@@ -109,7 +111,8 @@ class Backend:
       mode its calls carry the interpreter's callback effects.
     block_scaled_transport: its collective functions take ``transport=`` (a
       ``quantization.BlockScaled`` or None per axis) and send partial sums block-scaled
-      (``torus_collectives.quantization``).
+      (``torus_collectives.quantization``), its reduce-scatter and all-reduce
+      ``with_residual=`` as well.
     load_collectives: the three collective functions (imported on first use).
     load_batch_norm: its per-replica batch-norm passes (imported on first use).
   """
