@@ -69,6 +69,14 @@ def lars(
   )
 
 
+def grad_transport_dtype(config: ml_collections.ConfigDict) -> jax.typing.DTypeLike | None:
+  """``config.grad_transport_dtype`` as the ``transport_dtype=`` of the gradient summation
+  (``tc.all_reduce_gradients`` or ``tc.sharded_update``): None for '' (the gradients travel
+  in their own dtype), else that dtype; the library block-scales int8 and fp8 itself."""
+  name = config.grad_transport_dtype
+  return jax.numpy.dtype(name) if name else None
+
+
 def create_optimizer(
   config: ml_collections.ConfigDict, learning_rate_fn: optax.Schedule, axes: tuple[str, ...]
 ) -> tuple[optax.GradientTransformation, P]:
@@ -89,5 +97,6 @@ def create_optimizer(
     axes,
     bucket_bytes=config.grad_bucket_bytes,
     implementation=config.grad_implementation,
+    transport_dtype=grad_transport_dtype(config),
   )
   return sharded_tx, P(axes)

@@ -55,6 +55,13 @@ def read_metrics(workdir: str | pathlib.Path) -> list[dict[str, float]]:
   return rows
 
 
+def series(records: list[dict[str, float]], name: str) -> tuple[tuple, tuple]:
+  """(steps, values) of the metric ``name`` in ``records``, only the rows that have it
+  (evaluations happen on some steps only); two empty tuples when none has it."""
+  points = [(r["step"], r[name]) for r in records if name in r]
+  return tuple(zip(*points)) if points else ((), ())
+
+
 def plot_curves(workdir: str | pathlib.Path) -> pathlib.Path | None:
   """Saves ``curves.png``: training loss, and train/eval top-1 against the step."""
   if jax.process_index() != 0:
@@ -65,16 +72,11 @@ def plot_curves(workdir: str | pathlib.Path) -> pathlib.Path | None:
   from matplotlib import pyplot as plt
 
   records = read_metrics(workdir)
-
-  def series(name):
-    points = [(r["step"], r[name]) for r in records if name in r]
-    return tuple(zip(*points)) if points else ((), ())
-
   fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4))
-  loss_ax.plot(*series("train_loss"))
+  loss_ax.plot(*series(records, "train_loss"))
   loss_ax.set(xlabel="step", ylabel="training loss (label-smoothed)", yscale="log")
   for name in ("train_accuracy", "eval_top1", "eval_top5"):
-    acc_ax.plot(*series(name), marker=".", label=name)
+    acc_ax.plot(*series(records, name), marker=".", label=name)
   acc_ax.set(xlabel="step", ylabel="accuracy", ylim=(0, 1))
   acc_ax.legend()
   fig.tight_layout()

@@ -2,7 +2,8 @@
 
 ``validate_config(config)`` needs nothing but the config, so the entry point runs it before
 jax starts; with ``num_devices`` it also checks what needs jax or the devices (the model
-and gradient implementation names, batch divisibility, the torus shape, the BN group). It
+and gradient implementation names, that the implementation carries a block-scaled gradient
+transport, batch divisibility, the torus shape, the BN group). It
 collects every problem and raises one
 ``ValueError`` listing them all, so a user fixes a command line in one go. Checks that need
 the data (the batch against the dataset size, the warmup against the run length) are made
@@ -18,6 +19,11 @@ from collections.abc import Callable
 import ml_collections
 
 DTYPES = ("float32", "bfloat16", "float16")  # compute dtypes of the model
+# Gradient transport dtypes besides '' (none): a cast, which only the plain all-reduce
+# takes, or a block-scaled format (torus_collectives/quantization.py), which only the
+# implementations with block-scaled transport carry.
+CAST_TRANSPORT_DTYPES = ("bfloat16",)
+BLOCK_SCALED_TRANSPORT_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
 # The most axes of a torus mesh (``torus_collectives.registry.MAX_TORUS_AXES``, not imported
 # here so that validating needs no jax).
 MAX_MESH_AXES = 3
@@ -122,6 +128,13 @@ RULES = {
   "label_smoothing": _real_in(0, 1, open_high=True),
   "grad_implementation": _NONEMPTY_STR,
   "grad_bucket_bytes": _int_at_least(1),  # the runtime check names the implementations
+  "grad_transport_dtype": (
+    lambda v: v in ("", *CAST_TRANSPORT_DTYPES, *BLOCK_SCALED_TRANSPORT_DTYPES),
+    "'' (gradients travel in their own dtype), "
+    + ", ".join(map(repr, CAST_TRANSPORT_DTYPES))
+    + " or a block-scaled format, "
+    + ", ".join(map(repr, BLOCK_SCALED_TRANSPORT_DTYPES)),
+  ),
   "tune": _BOOL,
   "weight_update_sharding": _BOOL,
   "defer_weight_gather": _BOOL,
@@ -135,10 +148,28 @@ RULES = {
 }
 
 
+def _cross_field_problems(config) -> list[str]:
+  """Fields valid alone but not together (checked once every field is valid alone)."""
+  problems = []
+  if config.defer_weight_gather and not config.weight_update_sharding:
+    problems.append(
+      "config.defer_weight_gather=True needs config.weight_update_sharding=True (only the "
+      "sharded optimizer leaves the new weights as shards to gather later)."
+    )
+  if config.grad_transport_dtype in CAST_TRANSPORT_DTYPES and config.weight_update_sharding:
+    problems.append(
+      f"config.grad_transport_dtype={config.grad_transport_dtype!r} needs "
+      "config.weight_update_sharding=False: the sharded optimizer's reduce-scatter takes "
+      f"only a block-scaled transport ({', '.join(map(repr, BLOCK_SCALED_TRANSPORT_DTYPES))})."
+    )
+  return problems
+
+
 def _runtime_problems(config, num_devices: int) -> list[str]:
   """What needs jax up (imported here, so the entry point can validate before it starts)."""
   import torus_collectives as tc
   from resnet import models
+  from torus_collectives import registry
 
   problems = []
   if config.model not in models.ARCHITECTURES:
@@ -147,6 +178,18 @@ def _runtime_problems(config, num_devices: int) -> list[str]:
     problems.append(
       f"config.grad_implementation={config.grad_implementation!r} must be one of "
       f"{list(tc.IMPLEMENTATIONS)}."
+    )
+  block_scaled = ["auto", *(n for n, b in registry.BACKENDS.items() if b.block_scaled_transport)]
+  if (
+    config.grad_transport_dtype in BLOCK_SCALED_TRANSPORT_DTYPES
+    and config.grad_implementation in tc.IMPLEMENTATIONS
+    and config.grad_implementation not in block_scaled
+  ):
+    problems.append(
+      f"config.grad_transport_dtype={config.grad_transport_dtype!r} is block-scaled: "
+      f"config.grad_implementation must be one of {block_scaled}, not "
+      f"{config.grad_implementation!r}, whose collectives cannot requantize the partial sums "
+      "at each hop."
     )
   for name in ("global_batch_size", "eval_batch_size"):
     if config[name] % num_devices:
@@ -178,11 +221,8 @@ def validate_config(config: ml_collections.ConfigDict, *, num_devices: int | Non
       problems.append(f"config.{name} is missing; it must be {valid}.")
     elif not ok(config[name]):
       problems.append(f"config.{name}={config[name]!r} is invalid; it must be {valid}.")
-  if not problems and config.defer_weight_gather and not config.weight_update_sharding:
-    problems.append(
-      "config.defer_weight_gather=True needs config.weight_update_sharding=True (only the "
-      "sharded optimizer leaves the new weights as shards to gather later)."
-    )
+  if not problems:
+    problems += _cross_field_problems(config)
   if num_devices is not None and not problems:  # the runtime checks assume sane types
     problems += _runtime_problems(config, num_devices)
   if problems:
