@@ -43,9 +43,9 @@ A backend that runs replica groups (``axis_index_groups`` that tile the torus) t
 ``tile=`` (the group's extent per axis) as well, one with ``pallas_kernels`` takes
 ``config=``, and one with ``block_scaled_transport`` takes ``transport=`` (one
 ``quantization.BlockScaled`` or None per axis), its reduce-scatter and all-reduce also
-``with_residual=`` (error feedback: they then return the quantization residual too). ``unsupported`` reads from its record which requests an implementation cannot
-run; ``resolve`` sends those to XLA for "auto", and raises that error for an explicit
-choice.
+``with_residual=`` (error feedback: they then return the quantization residual too).
+``unsupported`` reads from its record which requests an implementation cannot run;
+``resolve`` sends those to XLA for "auto", and raises that error for an explicit choice.
 """
 
 from __future__ import annotations
