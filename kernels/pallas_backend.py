@@ -44,6 +44,11 @@ Inside ``shard_map`` with ``check_vma=True`` (the default) or ``False``: the ker
 are typed varying over the torus axes, like the ``ppermute`` fallback's, and the public
 layer marks the all-reduce invariant.
 
+Block-scaled transport (``transport=``, ``torus_collectives.quantization``): int8 blocks of
+128 on every axis run the kernels of ``quantized_kernels`` (the same schedules, partial
+sums sent as int8 plus bfloat16 scales, requantized at every hop); other formats, block
+sizes, per-axis transport and error feedback are refused, naming ``"shard_map"``.
+
 Platforms: on TPU v4 and newer the kernels compile with Mosaic. Elsewhere they run only in
 TPU interpret mode, when the caller traces them inside
 ``pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(...))``. TPU v2/v3 are refused:
@@ -63,7 +68,7 @@ from torus_collectives import schedule as schedule_lib
 from torus_collectives import target
 from torus_collectives._vma import ensure_varying
 from torus_collectives.configs import LANES, KernelConfig
-from torus_collectives.kernels import buffer_layout, torus_kernels
+from torus_collectives.kernels import buffer_layout, quantized_kernels, torus_kernels
 from torus_collectives.layout import accumulation_dtype, ceil_div, pad_chunks, pad_to
 
 
@@ -160,15 +165,39 @@ def _word_multiple(m: int, dtype) -> int:
   return ceil_div(m, align) * align
 
 
+def _block_scaled(transport, with_residual: bool) -> bool:
+  """Whether ``transport`` asks for block-scaled transport, which the kernels of
+  ``quantized_kernels`` run for int8 blocks of 128 on every axis; anything else raises
+  before any device work, naming the implementation that runs it."""
+  if with_residual:
+    raise ValueError(
+      'implementation="pallas" returns no quantization residual (error feedback); use '
+      'implementation="shard_map"'
+    )
+  if transport is None or not any(transport):
+    return False
+  if any(fmt != quantized_kernels.FORMAT for fmt in transport):
+    raise ValueError(
+      f'implementation="pallas" runs block-scaled transport as {quantized_kernels.FORMAT} on '
+      f'every axis, got {transport}; use implementation="shard_map" for other formats, '
+      "block sizes or per-axis transport"
+    )
+  return True
+
+
 def reduce_scatter(
   x: jax.Array,
   axes: Sequence[str],
   torus: Sequence[int],
   *,
   config: KernelConfig | None = None,
+  transport=None,
+  with_residual: bool = False,
 ) -> jax.Array:
   """``[p*m] -> [m]``: this device's chunk of the sum over the torus."""
   _check(x, axes, torus)
+  if _block_scaled(transport, with_residual):
+    return quantized_kernels.quantized_reduce_scatter(x, axes, torus, _target()[0])
   p = math.prod(torus)
   if p == 1:
     return x
@@ -191,9 +220,12 @@ def all_gather(
   torus: Sequence[int],
   *,
   config: KernelConfig | None = None,
+  transport=None,
 ) -> jax.Array:
   """``[m] -> [p*m]``: the chunks of all devices, row-major over ``axes``."""
   _check(x, axes, torus)
+  if _block_scaled(transport, False):
+    return quantized_kernels.quantized_all_gather(x, axes, torus, _target()[0])
   p = math.prod(torus)
   if p == 1:
     return x
@@ -212,9 +244,13 @@ def all_reduce(
   torus: Sequence[int],
   *,
   config: KernelConfig | None = None,
+  transport=None,
+  with_residual: bool = False,
 ) -> jax.Array:
   """``[n] -> [n]``: the sum over the torus, on every device."""
   _check(x, axes, torus)
+  if _block_scaled(transport, with_residual):
+    return quantized_kernels.quantized_all_reduce(x, axes, torus, _target()[0])
   n, p = x.size, math.prod(torus)
   if p == 1:
     return x

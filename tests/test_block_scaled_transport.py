@@ -203,16 +203,23 @@ def test_error_feedback_keeps_the_running_sum_unbiased():
   exact = grads["w"].astype(np.float64).sum(0)
 
   def steps(g, with_feedback, T=16):
-    residual = jax.tree.map(lambda v: jnp.zeros(v.shape, jnp.float32), g)
-    total = jax.tree.map(jnp.zeros_like, g)
-    for _ in range(T):
+    """T steps in one traced loop body: (running sum of the results, residual)."""
+
+    def step(_, carry):
+      total, residual = carry
       if with_feedback:
         summed, residual = tc.all_reduce_gradients(
           g, names, mean=False, transport_dtype=jnp.int8, residual=residual
         )
       else:
         summed = tc.all_reduce_gradients(g, names, mean=False, transport_dtype=jnp.int8)
-      total = jax.tree.map(jnp.add, total, summed)
+      return jax.tree.map(jnp.add, total, summed), residual
+
+    # Per device: varying over the mesh axes, as the residual the call returns.
+    residual = jax.tree.map(
+      lambda v: lax.pcast(jnp.zeros(v.shape, jnp.float32), names, to="varying"), g
+    )
+    total, _ = lax.fori_loop(0, T, step, (jax.tree.map(jnp.zeros_like, g), residual))
     return total
 
   T = 16
@@ -284,11 +291,32 @@ def test_wire_bytes_are_at_most_053_of_bfloat16s():
   assert bf16 == 2 * (8 - 1) / 8 * n * 2  # the bound: 2 (p - 1) / p * S
 
 
-@pytest.mark.parametrize("implementation", ["xla", "lax_torus", "pallas"])
+@pytest.mark.parametrize("implementation", ["xla", "lax_torus"])
 def test_implementations_without_it_refuse_naming_those_with_it(implementation):
   mesh = harness.mesh((2, 4))
   fn = lambda v: tc.psum(v, ("x", "y"), implementation=implementation, transport_dtype=jnp.int8)
-  with pytest.raises(ValueError, match="no block-scaled.*shard_map"):
+  with pytest.raises(ValueError, match="no block-scaled.*shard_map.*pallas"):
+    harness.per_device(fn, mesh, np.zeros((8, 16), np.float32))
+
+
+@pytest.mark.parametrize(
+  "transport", [jnp.float8_e4m3fn, tc.BlockScaled("int8", 64), {"y": jnp.int8}], ids=str
+)
+def test_pallas_refuses_the_formats_its_kernels_do_not_run(transport):
+  """The Pallas kernels run int8 blocks of 128 on every axis (tests/test_quantized_kernels.py);
+  anything else is refused at trace time, naming the implementation that runs it."""
+  mesh = harness.mesh((2, 4))
+  fn = lambda v: tc.psum(v, ("x", "y"), implementation="pallas", transport_dtype=transport)
+  with pytest.raises(ValueError, match='pallas.*int8.*128.*"shard_map"'):
+    harness.per_device(fn, mesh, np.zeros((8, 16), np.float32))
+
+
+def test_pallas_has_no_error_feedback():
+  mesh = harness.mesh((2, 4))
+  fn = lambda v: tc.all_reduce_gradients(
+    v, ("x", "y"), implementation="pallas", transport_dtype=jnp.int8, residual=jnp.zeros_like(v)
+  )
+  with pytest.raises(ValueError, match='no quantization residual.*"shard_map"'):
     harness.per_device(fn, mesh, np.zeros((8, 16), np.float32))
 
 
@@ -401,11 +429,12 @@ def test_sharded_update_error_feedback_keeps_the_running_sum_unbiased():
     sharded = tc.sharded_update(
       optax.sgd(1.0), names, transport_dtype=jnp.int8, error_feedback=error_feedback
     )
-    state = sharded.init(params)
-    weights = params
-    for _ in range(T):
-      weights, state = sharded.apply_gradients(g, state, weights)
-    return weights, state
+
+    def step(_, carry):
+      weights, state = carry
+      return sharded.apply_gradients(g, state, weights)
+
+    return lax.fori_loop(0, T, step, (params, sharded.init(params)))
 
   with_ef, state = harness.per_device(lambda g: run(g, True), mesh, grads, check_vma=False)
   without, _ = harness.per_device(lambda g: run(g, False), mesh, grads, check_vma=False)
@@ -422,3 +451,15 @@ def test_sharded_update_error_feedback_keeps_the_running_sum_unbiased():
 def test_sharded_update_error_feedback_needs_block_scaled_transport():
   with pytest.raises(ValueError, match="error_feedback=True needs a block-scaled"):
     tc.sharded_update(optax.sgd(1.0), "x", error_feedback=True)
+
+
+def test_tiny_and_subnormal_blocks_follow_the_model():
+  """Blocks whose scale would be subnormal travel as zeros, and subnormal inputs count as
+  zero, in the implementation (XLA flushes them) and the model alike."""
+  x = np.array(harness.random_floats((8, 8 * 256), seed=4))
+  x[:, :128] *= np.float32(1e-37)  # scale below the smallest normal float32: zeros
+  x[:, 128:256] *= np.float32(1e-30)
+  x[2, 130] = np.float32(3e-39)  # a subnormal inside a block of normal scale
+  ours = _run("all_reduce", (2, 4), x, (INT8, INT8))
+  np.testing.assert_array_equal(ours, _model("all_reduce", (2, 4), x, (INT8, INT8)))
+  assert not np.any(ours[:, :128]) and np.any(ours[:, 128:256])

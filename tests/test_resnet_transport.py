@@ -107,7 +107,7 @@ def test_int8_parameters_stay_within_the_quantization_error_of_bf16(runs):
     (
       dict(grad_transport_dtype="int8", grad_implementation="xla"),
       "config.grad_transport_dtype='int8' is block-scaled: config.grad_implementation must "
-      "be one of ['auto', 'shard_map'], not 'xla'",
+      "be one of ['auto', 'shard_map', 'pallas'], not 'xla'",
     ),
     (
       dict(grad_transport_dtype="bfloat16", weight_update_sharding=True),

@@ -138,12 +138,13 @@ def all_reduce_gradients(
   dtype would truncate every gradient, so other dtypes are refused before any work.
 
   ``residual`` (error feedback, with block-scaled transport only): a tree like ``tree``
-  of float32 leaves, zeros at the first step. It is added to the gradients before they
-  are summed, and the call returns ``(tree, new_residual)``: what this device's
-  quantizations took off, to pass to the next step. Over the devices the residuals sum to
-  the step's error, so what a step drops the next one sends: the summed gradients of
-  steps 1..T differ from the exact ones by the last residual alone, not by T steps of
-  error (EF-SGD).
+  of float32 leaves, zeros at the first step; each device's own, so typed varying over
+  the axes under ``check_vma`` (``lax.pcast(zeros, axes, to="varying")`` in a loop
+  carry). It is added to the gradients before they are summed, and the call returns
+  ``(tree, new_residual)``: what this device's quantizations took off, to pass to the
+  next step. Over the devices the residuals sum to the step's error, so what a step drops
+  the next one sends: the summed gradients of steps 1..T differ from the exact ones by
+  the last residual alone, not by T steps of error (EF-SGD).
   """
   names = axes.names(axis_name)
   leaves, treedef = jax.tree.flatten(tree)

@@ -11,7 +11,9 @@ even (for fp8, the cast's rounding); there is no stochastic rounding. Why these 
 a bfloat16 scale has 8 significant bits, so ``q * s`` is exact in float32 and a compiler
 that fuses it with the next add into an FMA computes the same bits; the multiply by the
 reciprocal is what XLA makes of a division by a broadcast scale anyway, so writing it so
-keeps the numpy model exact. An all-zero block has ``s = 0`` and arrives as zeros. A
+keeps the numpy model exact. An all-zero block has ``s = 0`` and arrives as zeros, as
+does a block whose ``max|x| / Q`` is below the smallest normal float32 (about 1.2e-38:
+XLA flushes subnormals to zero, and so does the format, subnormal inputs included). A
 block holding an infinity or a NaN gets the scale NaN and arrives as all NaN: a
 non-finite gradient is never turned into a finite one. Wire bytes per element:
 ``(B * itemsize + 2) / B``, 1.016 for int8 blocks of 128 (0.508 of bfloat16's 2).
@@ -36,16 +38,21 @@ about ``k * delta * A``. ``k`` counts the hops that quantize: on a torus of axis
 ``n_a`` a reduce-scatter quantizes ``sum_a (n_a - 1)`` times (``p - 1`` on a ring; fewer
 on a 2-D or 3-D torus, 30 on 16x16 against 255 on a ring of 256), an all-gather once, an
 all-reduce both. With transport on some axes only (``{"dcn": jnp.int8}``, for the
-data-centre network between slices) only the hops along those axes quantize.
+data-centre network between slices) only the hops along those axes quantize. (Blocks
+whose partial sums fall below ``Q`` times the smallest normal float32, about 1.5e-36,
+are flushed to zero instead: an absolute error below that per hop, outside this bound.)
 
 Where it runs: ``implementation="shard_map"``, the ``lax.ppermute`` schedule, on any
-backend; "auto" with a block-scaled ``transport_dtype`` runs it. ``"xla"`` and
-``"lax_torus"`` refuse it (XLA's collectives on int8 would sum in int8), and so do the
-Pallas kernels, whose HBM-to-HBM DMAs move partial sums in the buffer's type (block-scaled
-kernels do not exist yet). Collectives with it are not differentiable (quantization is not
-linear). Float32 arithmetic on CPU is IEEE, so there the result equals ``simulate`` (a
-numpy model of the same schedule) bitwise (``tests/test_block_scaled_transport.py``); a
-TPU's float32 reciprocal may round differently, within the bound.
+backend, every format, block size and per-axis mix, with error feedback; "auto" with a
+block-scaled ``transport_dtype`` runs it. ``"pallas"`` runs int8 blocks of 128 on every
+axis in the remote-DMA kernels of ``torus_collectives.kernels.quantized_kernels`` (the
+same schedules, layout, blocks and order of adds) and refuses the rest. ``"xla"`` and
+``"lax_torus"`` refuse it (XLA's collectives on int8 would sum in int8). Collectives with
+it are not differentiable (quantization is not linear). Float32 arithmetic on CPU is
+IEEE, so there both equal ``simulate`` (a numpy model of the same schedule) bitwise
+(``tests/test_block_scaled_transport.py``; the kernels in TPU interpret mode,
+``tests/test_quantized_kernels.py``); a TPU's float32 reciprocal may round differently,
+within the bound.
 """
 
 from __future__ import annotations
@@ -67,6 +74,9 @@ DEFAULT_BLOCK_SIZE = 128
 _SCALE_BYTES = 2  # a bfloat16 scale per block
 _FORMATS = ("int8", "float8_e4m3fn", "float8_e5m2")
 _F32_UNIT_ROUNDOFF = 2.0**-24
+# The smallest normal float32. XLA on CPU and TPU flushes subnormal float32 values to zero
+# (inputs and results); the format does so explicitly, so that the numpy model agrees.
+_TINY = float(np.finfo(np.float32).tiny)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,8 +206,10 @@ def quantize(x, fmt: BlockScaled):
   ``q`` of ``x``'s shape in ``fmt.dtype``, bfloat16 ``scales`` of shape
   ``x.shape[:-1] + (x.shape[-1] // B,)``."""
   blocks = x.reshape(x.shape[:-1] + (-1, fmt.block_size))
+  blocks = jnp.where(jnp.abs(blocks) < _TINY, 0.0, blocks)  # subnormals: zero, as XLA reads them
   absmax = jnp.max(jnp.abs(blocks), axis=-1)
   scaled = absmax * jnp.float32(1 / fmt.levels)
+  scaled = jnp.where(scaled < _TINY, 0.0, scaled)  # a subnormal scale: zero, as XLA makes it
   finite = jnp.all(jnp.isfinite(blocks), axis=-1)
   scales = _round_up_to_bfloat16(jnp.where(finite, scaled, jnp.nan))
   wide = scales.astype(jnp.float32)
@@ -225,11 +237,11 @@ def dequantize(payload, fmt: BlockScaled):
 def quantize_np(x: np.ndarray, fmt: BlockScaled) -> tuple[np.ndarray, np.ndarray]:
   """``quantize`` in numpy (float32 arithmetic throughout)."""
   x = np.asarray(x, np.float32)
-  blocks = x.reshape(x.shape[:-1] + (-1, fmt.block_size))
+  blocks = _flush_np(x.reshape(x.shape[:-1] + (-1, fmt.block_size)))
   with np.errstate(invalid="ignore", over="ignore"):
     absmax = np.max(np.abs(blocks), axis=-1)
     finite = np.all(np.isfinite(blocks), axis=-1)
-    scaled = np.where(finite, absmax * np.float32(1 / fmt.levels), np.nan)
+    scaled = np.where(finite, _flush_np(absmax * np.float32(1 / fmt.levels)), np.nan)
     bits = (scaled.astype(np.float32).view(np.uint32) + np.uint32(0xFFFF)) & np.uint32(0xFFFF0000)
     scales = bits.view(np.float32)
     positive = scales > 0
@@ -240,6 +252,12 @@ def quantize_np(x: np.ndarray, fmt: BlockScaled) -> tuple[np.ndarray, np.ndarray
     divided = np.round(divided)
   q = np.clip(divided, -fmt.levels, fmt.levels).astype(jnp.dtype(fmt.dtype))
   return q.reshape(x.shape), scales.astype(jnp.bfloat16)
+
+
+def _flush_np(a: np.ndarray) -> np.ndarray:
+  """``a`` with float32 subnormals replaced by zero: what XLA on CPU and TPU computes."""
+  with np.errstate(invalid="ignore"):
+    return np.where(np.abs(a) < _TINY, np.float32(0), a).astype(np.float32)
 
 
 def dequantize_np(q: np.ndarray, scales: np.ndarray, fmt: BlockScaled) -> np.ndarray:
@@ -324,7 +342,10 @@ def simulate(
         dest, phase.recv_slab(dest[phase.axis], transfer.step, torus[phase.axis])
       )
       view = state[dest][index]
-      view[..., lanes] = data + view[..., lanes] if phase.kind == "reduce_scatter" else data
+      if phase.kind == "reduce_scatter":
+        view[..., lanes] = _flush_np(data + view[..., lanes])
+      else:
+        view[..., lanes] = data
       state[dest][index] = view
   if schedule.streams[0][-1].kind == "reduce_scatter":
     _keep_own_chunks(state, devices)

@@ -220,6 +220,7 @@ register(
     partial_manual=False,
     runs_on=_pallas_runs_on,
     pallas_kernels=True,
+    block_scaled_transport=True,
     load_collectives=_load_pallas,
     load_batch_norm=_load_pallas_batch_norm,
   )
