@@ -7,7 +7,10 @@ buckets of at most ``bucket_bytes`` (a larger leaf gets a bucket of its own, and
 bucket holds one dtype), and each bucket is reduced by one collective that depends only on
 its own leaves, so it can run while the rest of the backward pass computes.
 With ``transport_dtype`` (e.g. bfloat16) the buckets travel in that dtype; the torus
-implementations still accumulate floating-point partial sums in float32.
+implementations still accumulate floating-point partial sums in float32. With a
+block-scaled one (``jnp.int8``, fp8, ``tc.BlockScaled``, per axis) they travel as int8 or
+fp8 blocks with a scale each, requantized at every hop (``torus_collectives.quantization``:
+the format, the error bound), optionally with error feedback (``residual=``).
 
 The torus implementations pack each bucket into one flat buffer (the layout of
 ``packing``) and reduce it with one collective. When the implementation is XLA (what

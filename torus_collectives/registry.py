@@ -512,7 +512,9 @@ def _block_scaled(implementation: str, request: Request) -> str:
       if BACKENDS[name].runs_on(device_kind) and unsupported(name, request) is None:
         return name
     if able:
-      raise unsupported(able[0], request)
+      raise unsupported(able[0], request) or ValueError(
+        f"no registered implementation with block-scaled transport runs here (of {able})"
+      )
   elif implementation in able:
     error = unsupported(implementation, request)
     if error is not None:
