@@ -66,7 +66,7 @@ def resnet50_table(
 
   With ``transport``, every axis sends it (``predict``'s ``transport``), and each row
   also holds the unquantized prediction (``"unquantized"``) it is compared with; the adds
-  are then not priced (``reduce_pieces`` ignored: the kernels refuse the transport).
+  are then not priced (``reduce_pieces`` ignored: the int8 kernels' adds are not modelled).
   """
   rows = []
   for name, torus in pods:
@@ -262,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     "wire bytes per element, a bfloat16 scale per block) on every axis; bound and "
     "'x bound' of the unquantized dtype, 'x unquant' against the same schedule unquantized"
     + (
-      " (adds not priced: the kernels refuse block-scaled transport)"
+      " (adds not priced: the int8 kernels' adds are not modelled)"
       if args.reduce_pieces is not None
       else ""
     )

@@ -113,8 +113,8 @@ hop (a remote DMA straight from VMEM would save it). Every piece, however short,
 whole 512-byte scale row (4 bytes per block where a slice has at most 128 rows). Only
 int8 blocks of 128 on every axis are supported, on float32 partial sums (a bfloat16
 input is widened by the wrapper, as the ``shard_map`` implementation does). Nothing here
-has run on a TPU: it is verified in interpret mode and compiles for v4, v5e, v5p and
-v6e.
+has run on a TPU: it is verified in interpret mode and compiles for v4, v5e and v6e
+(``tests/test_quantized_kernels.py``).
 """
 
 from __future__ import annotations

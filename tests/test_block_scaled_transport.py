@@ -32,14 +32,19 @@ def _grid(flat: np.ndarray, p: int, width: int, torus) -> np.ndarray:
   return grid.reshape(tuple(torus) + (width,))
 
 
+def _chunk_width(collective, torus, n, transport) -> tuple[int, int]:
+  """(m, width): the chunk of ``n`` elements per device and its padded width, as the
+  backend lays the grid out."""
+  p = math.prod(torus)
+  m = {"all_gather": n, "reduce_scatter": n // p}.get(collective, ceil_div(n, p))
+  return m, backend._padded_width(m, tuple(torus), transport)
+
+
 def _model(collective, torus, x, transport):
   """``quantization.simulate`` on the per-device inputs ``x`` ([p, n]), laid out as the
   backend lays them out; returns what each device ends with ([p, n_out])."""
   p, n = x.shape
-  m = ceil_div(n, p) if collective != "all_gather" else n
-  if collective == "reduce_scatter":
-    m = n // p
-  width = backend._padded_width(m, tuple(torus), transport)
+  m, width = _chunk_width(collective, torus, n, transport)
   if collective == "all_gather":
     buffers = np.zeros((p, p, width), np.float32)
     for d in range(p):
@@ -99,12 +104,7 @@ def _block_absmax_sum(x: np.ndarray, collective, torus, transport) -> np.ndarray
   the element's block (the backend's layout, blocks of the chunk grid)."""
   p, n = x.shape
   block = quantization.block_multiple(transport)
-  m = (
-    n
-    if collective == "all_gather"
-    else (n // p if collective == "reduce_scatter" else ceil_div(n, p))
-  )
-  width = backend._padded_width(m, tuple(torus), transport)
+  m, width = _chunk_width(collective, torus, n, transport)
   if collective == "all_gather":
     grids = np.zeros((p, p, width))
     for d in range(p):

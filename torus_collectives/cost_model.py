@@ -444,8 +444,8 @@ def predict(
   axis or one (or None) per logical axis (a ring has one); ``nbytes`` is then the size in
   the unquantized dtype of ``itemsize`` bytes, and a hop along a quantized axis moves
   ``wire_bytes_per_element / itemsize`` of its bytes (``wire_scale``). The pipelined adds
-  are those of the Pallas kernels, which refuse block-scaled transport: ``reduce_pieces``
-  with a quantized axis is an error.
+  are those of the blocking Pallas kernels; the int8 kernels' adds (dequantize, add,
+  requantize) are not modelled, so ``reduce_pieces`` with a quantized axis is an error.
   """
   if reduce_pieces is not None and reduce_pieces < 1:
     raise ValueError(f"reduce_pieces must be None or at least 1, got {reduce_pieces=}")
@@ -466,8 +466,8 @@ def predict(
   per_axis = _per_axis(transport, len(sched.torus))
   if any(per_axis) and reduce_pieces is not None:
     raise ValueError(
-      "reduce_pieces prices the Pallas kernels' pipelined adds, and the kernels refuse "
-      "block-scaled transport (it runs in the shard_map schedule): pass reduce_pieces=None"
+      "reduce_pieces prices the blocking Pallas kernels' pipelined adds; those of the "
+      "block-scaled kernels are not modelled: pass reduce_pieces=None"
     )
   scale = wire_scale(per_axis, len(sched.torus), itemsize)
   _, loads = _embedding(sched, physical, order)

@@ -328,7 +328,7 @@ def simulate(
   # in ``state`` dequantized, which forwarding leaves unchanged.
   held = dict.fromkeys(itertools.product(devices, range(schedule.num_streams)))
   if schedule.streams[0][0].kind == "all_gather":
-    _keep_own_chunks(state, devices)
+    schedule_lib.keep_own_chunks(state, devices)
   for step in schedule.steps():
     outgoing = [
       _send(state, coords, transfer, width, transport, held)
@@ -348,16 +348,8 @@ def simulate(
         view[..., lanes] = data
       state[dest][index] = view
   if schedule.streams[0][-1].kind == "reduce_scatter":
-    _keep_own_chunks(state, devices)
+    schedule_lib.keep_own_chunks(state, devices)
   return state
-
-
-def _keep_own_chunks(state: np.ndarray, devices) -> None:
-  """Poisons (NaN) every chunk of each device's grid but its own."""
-  for coords in devices:
-    own = state[coords][coords].copy()
-    state[coords] = np.nan
-    state[coords][coords] = own
 
 
 def _send(state, coords, transfer, width, transport, held):

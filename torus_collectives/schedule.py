@@ -221,7 +221,7 @@ def simulate(schedule: Schedule, buffers: np.ndarray) -> tuple[np.ndarray, dict]
   gathering = schedule.streams[0] and schedule.streams[0][0].kind == "all_gather"
   devices = list(np.ndindex(*torus))
   if gathering:  # an all-gather starts from the own chunk alone
-    _keep_own_chunk(state, devices)
+    keep_own_chunks(state, devices)
   link_bytes: dict = {}
   for step in schedule.steps():
     outgoing = []
@@ -245,11 +245,11 @@ def simulate(schedule: Schedule, buffers: np.ndarray) -> tuple[np.ndarray, dict]
         view[..., lanes] = data
       state[dest][transfer.slab_index(dest, slab)] = view
   if schedule.streams[0][-1].kind == "reduce_scatter":  # only the own chunk is reduced
-    _keep_own_chunk(state, devices)
+    keep_own_chunks(state, devices)
   return state, link_bytes
 
 
-def _keep_own_chunk(state: np.ndarray, devices) -> None:
+def keep_own_chunks(state: np.ndarray, devices) -> None:
   """Poisons (NaN) every chunk but each device's own."""
   for coords in devices:
     own = state[coords][coords].copy()

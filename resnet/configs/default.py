@@ -66,8 +66,9 @@ def get_config() -> ml_collections.ConfigDict:
   # 'bfloat16' (a cast), or a block-scaled format, 'int8', 'float8_e4m3fn' or 'float8_e5m2':
   # blocks of 128 values in that dtype plus a scale each, requantized at every hop of the
   # torus schedule, about half of bfloat16's bytes. Block-scaled transport runs on the
-  # 'shard_map' implementation (which 'auto' then picks); with weight_update_sharding only
-  # block-scaled formats apply. No error feedback: each step's quantization error is lost.
+  # 'shard_map' implementation (which 'auto' then picks), int8 on 'pallas' too; with
+  # weight_update_sharding only block-scaled formats apply. No error feedback: each step's
+  # quantization error is lost.
   # bench/results/grad_transport_int8_vs_bf16.png compares int8 with bfloat16 here.
   c.grad_transport_dtype = ""
   # Time the gradient summation and batch norms of this model on this mesh before training
