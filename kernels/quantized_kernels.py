@@ -20,105 +20,103 @@ does: ``p`` chunks of ``m = ceil(n / p)`` elements, each zero-padded to ``width`
 number of 128-element rows per stream). The kernel sees it as a 2-D ``[p * S * R, 128]``
 float32 array. Chunk ``c`` (row-major over the torus coordinates) begins at row
 ``c * S * R``, and its stream slice ``s`` at ``+ s * R``. A slice is cut into pieces of
-``P`` rows (``PIECE_ROWS``; the last piece may be shorter). Blocks are rows, so a block
-never spans two chunks or two streams, as the format requires. A slice may hold any number
-of rows ``R``: 32-bit DMAs of a ``[rows, 128]`` HBM array may start and end at any row.
-Int8 DMAs start and end on 4-row boundaries (one 512-byte DMA word; Mosaic: "aligned to
-the unit subtile (4)"), so every int8 buffer gives a slice ``Rq = ceil4(R)`` rows and a
-piece ``ceil4(rows)`` rows. The up to 3 rows of padding per slice travel too.
+``P`` rows (``PIECE_ROWS``) and one shorter rest: at most two piece sizes (``PieceKind``).
+Blocks are rows, so a block never spans two chunks or two streams, as the format requires.
+32-bit DMAs of a ``[rows, 128]`` HBM array may start and end at any row. Int8 DMAs start
+and end on 4-row boundaries (one 512-byte DMA word; Mosaic: "aligned to the unit subtile
+(4)"), so an int8 piece of ``r`` rows travels as ``ceil4(r)`` rows (up to 3 rows of
+padding per piece of the rest kind).
 Glue: the wrapper pads each chunk to ``width``, reshapes the buffer to rows of 128, and
 slices the result. When ``n == p * width`` (e.g. 2**20 elements on 16 devices) the
 reshapes are bitcasts, and the only op XLA puts around the kernel is the copy of the
-program's result. Otherwise XLA emits pads, relayout reshapes and a slice (7 ops for
-100,003 elements on v5e:2x4, about 5.7 MB of HBM traffic against the kernel's 2 MB).
+program's result. Otherwise XLA emits pads, relayout reshapes and a slice.
 
 Wire format of a piece. The int8 values ``q`` take ``[ceil4(rows), 128]``. The scales take
 one ``[1, 128]`` int32 row: lane ``l`` holds the bfloat16 bits of row ``l``'s scale in its
 low half and those of row ``l + 128`` in its high half. So a piece of 256 rows (32,768
 elements) carries 512 bytes of scales, 2 bytes per block, as the format says. A shorter
-piece still sends the whole 512-byte row. Mosaic cannot DMA a bfloat16 row (tiled (8, 128)
-in HBM) or a sub-row of lanes. The scale row is built from a column by a masked
-sublane sum (``_pack``), and turned back into a column by a masked lane sum (``_unpack``).
-This needs no transposes, reshapes, bfloat16 vectors or 16-bit DMAs.
+piece still sends the whole 512-byte row. The scale row is built from a column by a
+masked sublane sum (``_pack``), and turned back into a column by a masked lane sum
+(``_unpack``): no transposes, reshapes, bfloat16 vectors or 16-bit DMAs.
 
-Buffers (HBM; a kernel gets one by declaring an output):
+The wire never touches HBM. Each (stream, piece kind) has two rings of ``_SLOTS`` VMEM
+slots on every device: a receive ring, which the upstream neighbour's remote DMAs write,
+and a staging ring, from which this device's remote DMAs read. A piece goes from the
+sender's staging slot straight into the same slot of the receiver's receive ring. HBM
+holds only what must outlive a piece: the input (read), the float32 result or work
+buffer ``out``, and, for gathers, ``q_gather`` / ``s_gather``, the int8 values and scale
+rows of the chunks that a later phase sends (chunk ``c``, stream ``s``, piece ``k`` at
+row ``(c * S + s) * Rq + k * P`` / ``(c * S + s) * pieces + k``).
 
-* ``out``: float32, the grid. It is the work buffer of the reduce-scatter (the partial
-  sums of the slab each phase ends with). In an all-reduce or all-gather it also holds
-  the result, dequantized over the whole grid at the end. ``x``, the input, is only read.
-* ``q_gather`` / ``s_gather``: the int8 values and scale rows of the gathered grid. Chunk
-  ``c``, stream ``s``, piece ``k`` lies at ``(c * S + s) * Rq + k * P`` / row
-  ``(c * S + s) * pieces + k``. Every device writes each place once: its own chunk by
-  quantizing it, the others by its upstream neighbour's DMA.
-* ``q_slot`` / ``s_slot``: reduce-scatter receive slots, double-buffered per stream, each
-  the size of the stream's largest slab, piece-major: piece ``k`` of chunks 0, 1, ... of
-  a slab lie one after the other (``QLayout.slot_q_row``), so one DMA moves piece ``k``
-  of the whole slab.
-* ``q_stage`` / ``s_stage``: the send staging, laid out like the slots. The quantized
-  partial sums are stored here (VMEM to HBM) and remote-DMA'd from here to the same place
-  in the neighbour's slot. It is double-buffered: step t + 1's payload is quantized while
-  step t's sends may still be on the link.
+Order: the pipelined ring. A phase (one stream's ring reduce-scatter or all-gather along
+one axis, ``hops = n - 1`` transfers) runs piece by piece: for every piece position of its
+slabs (chunk ``j`` of the slab, piece ``k``), for every hop ``h``, the device takes in what
+hop ``h - 1`` brought for that position and sends hop ``h``'s piece. Within a ring phase
+the slab sent at hop ``h`` is the one received at hop ``h - 1``, so a piece's partial sum
+moves on as soon as it is formed:
 
-A step, for every stream together (all sends of a step are started before any wait, so
-the 2N links of a chip carry traffic at once):
+* reduce-scatter: hop 0 quantizes the own partial sums (from the input in the stream's
+  first phase, from ``out`` later) into a staging slot and sends them. At hop ``h >= 1``
+  the piece received at hop ``h - 1`` is dequantized and added to the own float32 terms
+  (``deq + own``), and the sum is quantized into a staging slot and sent. After the last
+  hop the sum is stored: in float32 into ``out`` (a phase's end) or into the own-chunk
+  output (a reduce-scatter's result), or, where an all-gather follows, quantized once,
+  its int8 bytes kept in ``q_gather`` and their dequantized values stored in ``out``.
+* all-gather: hop 0 sends the piece's bytes from ``q_gather``. A received piece is
+  dequantized into ``out``, copied (VMEM to VMEM) into a staging slot and sent on, and
+  kept in ``q_gather`` if a later phase sends it again. Every device thus dequantizes
+  the same bytes, the own chunk's included, so the result is bitwise the same
+  everywhere. An all-gather alone first quantizes the own chunk from the input.
 
-* reduce-scatter send: if the slab was not forwarded by the step before (the first step of
-  a phase), its float32 partial sums are read (from ``x`` in the first phase, else from
-  ``out``) and quantized into the staging slot ``t % 2``. From step 2 on, if the step two
-  back also used the slot, the sender waits on the capacity semaphore first. Then it starts
-  two remote DMAs per piece, each for the whole slab: the ``q`` rows and the scale rows.
-* reduce-scatter receive, piece group by piece group: wait for every DMA of the group, then
-  for each chunk and piece load ``q``, the scales and the own float32 terms into VMEM,
-  dequantize, and add in float32 (``deq + own``). Then:
-  - if the next step of the phase forwards this slab, quantize the sum straight into
-    staging slot ``(t + 1) % 2``. Nothing is stored in float32, since ring step t + 1 sends
-    exactly the slab summed at step t;
-  - else, if the next step starts the stream's gather (an all-reduce), quantize it into the
-    gather buffers at the own chunk;
-  - else store the float32 sum in ``out`` (a phase's end), or in the own-chunk output (a
-    reduce-scatter's last step).
-  After the adds it signals the capacity semaphore of whoever fills the slot at step
-  t + 2.
-* all-gather: two remote DMAs per chunk of the slab (its slice's ``q`` rows and scale
-  rows, all pieces) from ``q_gather`` / ``s_gather`` to the same places in the
-  neighbour's buffers, then a wait for the slab that arrives. In an all-gather alone, step
-  0 first quantizes the own chunk from ``x``.
-* end of step: wait for this step's sends (the staging slot is free again).
-* the end of an all-reduce or all-gather: dequantize every chunk of ``q_gather`` into
-  ``out``, the own chunk included, so the result is bitwise the same on every device.
-  Where a slice is one piece and a chunk's slices are small (``QLayout.batched``), a
-  chunk's S slices move in one DMA each way, with the streams at static VMEM offsets
-  (Mosaic accepts int8 VMEM slices at 4-row offsets only when they are static). This
-  dequantization stays in the kernel: written as an XLA fusion after it, the bytes
-  accessed on v5e:4x4 went from 17.7 MB to 29.6 MB (XLA materialised the scales'
-  broadcast and copied the int8 slices).
+The i-th phases of all streams run together, their pieces interleaved, when they have
+the same hops and slab size (every phase of the square tori), so all 2N links of a chip
+carry traffic at once; otherwise one stream's phase runs after another's.
 
-Semaphores: the entry barrier (``pltpu.get_barrier_semaphore``, signalled to each
-upstream neighbour of every link the schedule uses) and, for the reduce-scatter, DMA
-semaphores per (stream, receive slot, piece group). Each counts all the ``q`` and scale
-DMAs of its group's pieces of every chunk of the slab. DMA semaphores count bytes, and both
-ends wait with the same descriptors. REGULAR capacity semaphores are kept per (stream,
-phase, slot), because the downstream device changes between phases. The all-gather has DMA
-semaphores per (stream, step): an upstream neighbour may be steps ahead. Local DMAs are
-synchronous (start, then wait) through one VMEM piece buffer of each kind. Values
-are chained in VMEM: a received piece is dequantized, added and re-quantized without a
-float32 round trip.
-``collective_id``: ``torus_kernels.collective_id`` of the kind string
-"quantized_<collective>", so it differs from the blocking kernels' ids.
+Flow control (semaphores). Before the first phase, the entry barrier
+(``pltpu.get_barrier_semaphore``, signalled to each upstream neighbour of every link the
+schedule uses). Within a phase, per (stream, piece kind):
 
-What is simple here and could be faster: local loads and stores are synchronous (no
-double buffering across chunks or pieces; on a TPU this latency, not the links, would
-bound small and mid-sized all-reduces). The staging costs a local int8 write and read per
-hop (a remote DMA straight from VMEM would save it). Every piece, however short, sends a
-whole 512-byte scale row (4 bytes per block where a slice has at most 128 rows). Only
-int8 blocks of 128 on every axis are supported, on float32 partial sums (a bfloat16
-input is widened by the wrapper, as the ``shard_map`` implementation does). Nothing here
-has run on a TPU: it is verified in interpret mode and compiles for v4, v5e and v6e
+* credits: a REGULAR semaphore per (stream, phase, kind) on the sender, signalled by the
+  receiver. On starting a phase the receiver grants ``_SLOTS`` pieces (its receive ring
+  is empty: it has taken in every piece of its previous phase); after taking in its
+  n-th piece it grants one more, unless no piece ``n + _SLOTS`` comes. The sender waits
+  for one credit before each send. Both ends count the ring's pieces in the same order,
+  so piece ``n`` goes to slot ``n mod _SLOTS`` and is sent only once piece
+  ``n - _SLOTS`` has been taken in. Credits are kept per phase, since the upstream
+  device changes between phases; grants and waits balance, so every semaphore ends at 0.
+* arrival: a DMA semaphore per (stream, kind, slot) on the receiver; a slot holds one
+  piece at a time, so the two DMAs of a piece are the only ones counted on it.
+* departure: a DMA semaphore per (stream, kind, slot) on the sender; before a staging
+  slot is refilled, its previous piece's two DMAs are waited for (pieces of one kind all
+  have the same size, so the wait is exact), and at a phase's end every slot's last.
+
+No deadlock: every device runs its events in the same order (phase, chunk, kind, piece,
+hop, stream), and each event waits only on events earlier in that order (the piece of
+hop ``h - 1``, and the taking-in of the piece ``_SLOTS`` earlier on the same ring); a
+device grants its credit before it waits for its own. ``collective_id``:
+``torus_kernels.collective_id`` of the kind string "quantized_<collective>", so it differs
+from the blocking kernels' ids.
+
+HBM traffic (``cost``, checked against the DMAs counted in interpret mode by
+``tests/test_kernel_accounting.py``): per element and hop, the own float32 term is read;
+the wire is VMEM to VMEM; the result is written once in float32. On v5e:4x4 at 2**20
+float32 elements per device the compiler's bytes accessed are 0.81 of the bfloat16
+blocking kernel's floor on bfloat16 data and 0.40 of the float32 kernel's (compiler
+estimate; the float32 reads and writes of the own terms and the result are most of it).
+
+What is simple here and could be faster: local loads and stores of own terms are
+synchronous (no double buffering across pieces; on a TPU this latency, not the links,
+would bound small and mid-sized all-reduces). Every piece, however short, sends a whole
+512-byte scale row (4 bytes per block where a slice has at most 128 rows). Only int8
+blocks of 128 on every axis are supported, on float32 partial sums (a bfloat16 input is
+widened by the wrapper, as the ``shard_map`` implementation does). Nothing here has run on
+a TPU: it is verified in interpret mode and compiles for v4, v5e and v6e
 (``tests/test_quantized_kernels.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -137,7 +135,6 @@ from torus_collectives.axes import drop_unit_axes
 from torus_collectives.kernels.buffer_layout import for_each
 from torus_collectives.kernels.torus_kernels import (
   _MAX_SEMAPHORES,
-  _phase_index,
   _Topology,
   collective_id,
   mesh_coordinates,
@@ -152,9 +149,7 @@ LEVELS = FORMAT.levels
 PIECE_ROWS = 256
 _QUANTUM = 4  # int8 rows per DMA word: int8 DMAs start and end on multiples of 4 rows
 _SUB = 128  # rows of a compute sub-block: one scale half-word per row
-_RECV_SLOTS = 2
-_MAX_PIECE_GROUPS = 4
-_BATCH_ROWS = 512  # int8 rows of a chunk's slices dequantized together (64 KiB)
+_SLOTS = 2  # ring slots per (stream, piece kind): a piece is computed while the last travels
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -217,6 +212,27 @@ def _sub_blocks(rows: int):
 # Layout
 
 
+@dataclasses.dataclass(frozen=True)
+class PieceKind:
+  """The pieces of one size in a stream slice: ``count`` of ``rows`` rows, the first at
+  row ``first`` of the slice. A slice has at most two kinds: whole pieces and its rest."""
+
+  count: int
+  rows: int
+  first: int
+  index: int  # piece index (within the slice) of the kind's first piece
+
+  @property
+  def q_rows(self) -> int:
+    """Int8 rows a piece takes on the wire (int8 DMAs move whole 4-row words)."""
+    return _up(self.rows, _QUANTUM)
+
+  @property
+  def buf_rows(self) -> int:
+    """Rows of a VMEM slot: whole int8 tiles."""
+    return _up(self.rows, 32)
+
+
 class QLayout:
   """Where the grid, its pieces and their int8 and scale images lie (module docstring)."""
 
@@ -227,87 +243,96 @@ class QLayout:
     self.piece_rows = min(piece_rows, _up(rows, 32))
     self.pieces = [(o, min(self.piece_rows, rows - o)) for o in range(0, rows, self.piece_rows)]
     self.q_rows = _up(rows, _QUANTUM)  # int8 rows per slice
-    groups = min(len(self.pieces), _MAX_PIECE_GROUPS)
-    per = ceil_div(len(self.pieces), groups)
-    self.groups = [
-      list(range(g, min(g + per, len(self.pieces)))) for g in range(0, len(self.pieces), per)
-    ]
-    self.group_of = {k: g for g, ks in enumerate(self.groups) for k in ks}
-    # Receive slots and staging: per stream, two slots of its largest (first) slab.
-    self.slot_chunks = [_slot_chunks(schedule, k) for k in range(self.streams)]
-    self.stream_base = [_RECV_SLOTS * sum(self.slot_chunks[:k]) for k in range(self.streams)]
-    self.slot_slices = _RECV_SLOTS * sum(self.slot_chunks)
-    # One piece per slice and a chunk's slices small: the final dequantization moves a
-    # chunk's S slices in one DMA each way (static offsets: no int8 alignment needed).
-    self.batched = len(self.pieces) == 1 and self.streams * self.q_rows <= _BATCH_ROWS
-    self.q_buf_rows = max(
-      self.piece_rows, _up(self.streams * self.q_rows, 32) if self.batched else 0
-    )
-    self.f_buf_rows = max(
-      self.piece_rows, self.streams * self.rows + _QUANTUM if self.batched else 0
-    )
+    whole, rest = divmod(rows, self.piece_rows)
+    self.kinds = [PieceKind(whole, self.piece_rows, 0, 0)] if whole else []
+    if rest:
+      self.kinds.append(PieceKind(1, rest, whole * self.piece_rows, whole))
+    self.buf_rows = self.piece_rows
 
   @property
   def grid_rows(self) -> int:
     return self.chunks * self.streams * self.rows
 
-  def data_row(self, chunk, stream: int, piece: int):
-    return chunk * (self.streams * self.rows) + stream * self.rows + self.pieces[piece][0]
+  def data_row(self, chunk, stream: int, offset):
+    return chunk * (self.streams * self.rows) + stream * self.rows + offset
 
-  def q_row(self, index, piece: int):
-    row = index * self.q_rows + self.pieces[piece][0]
+  def q_row(self, index, offset):
+    row = index * self.q_rows + offset
     return row if isinstance(row, int) else pl.multiple_of(row, _QUANTUM)
 
-  def s_row(self, index, piece: int):
+  def s_row(self, index, piece):
     return index * len(self.pieces) + piece
 
-  def piece_q_rows(self, piece: int) -> int:
-    return _up(self.pieces[piece][1], _QUANTUM)
 
-  def slot_base(self, stream: int, slot: int) -> int:
-    """First slice index of a stream's receive slot (or staging slot)."""
-    return self.stream_base[stream] + slot * self.slot_chunks[stream]
+@dataclasses.dataclass(frozen=True)
+class PhaseRun:
+  """One stream's ring phase: its ``transfers`` (one per hop), its index in the stream,
+  whether it is the stream's first phase, and the kind of the phase after it (or None)."""
 
-  def slot_q_row(self, stream: int, slot: int, piece: int, j=0):
-    """Piece-major: piece ``k`` of chunks 0, 1, ... of a slab lie one after the other, so
-    one DMA moves piece ``k`` of the whole slab."""
-    base = self.slot_base(stream, slot) * self.q_rows
-    row = base + self.slot_chunks[stream] * self.pieces[piece][0] + j * self.piece_q_rows(piece)
-    return row if isinstance(row, int) else pl.multiple_of(row, _QUANTUM)
+  stream: int
+  index: int
+  transfers: tuple
+  first: bool
+  next_kind: str | None
 
-  def slot_s_row(self, stream: int, slot: int, piece: int, j=0):
-    base = self.slot_base(stream, slot) * len(self.pieces)
-    return base + piece * self.slot_chunks[stream] + j
+  @property
+  def phase(self) -> schedule_lib.Phase:
+    return self.transfers[0].phase
+
+  @property
+  def hops(self) -> int:
+    return len(self.transfers)
+
+  def slab_size(self, torus) -> int:
+    tr = self.transfers[0]
+    return math.prod(torus[a] for a in tr.live_axes if a != tr.phase.axis)
 
 
-def _slot_chunks(schedule: schedule_lib.Schedule, stream: int) -> int:
-  transfers = [t for t in schedule.stream_transfers(stream) if t.phase.kind == "reduce_scatter"]
-  if not transfers:
-    return 0
-  first = transfers[0]
-  return math.prod(schedule.torus[a] for a in first.live_axes if a != first.phase.axis)
+def phase_groups(schedule: schedule_lib.Schedule) -> list[list[PhaseRun]]:
+  """The order in which the kernel runs the phases: the i-th phase of every stream
+  together (their pieces interleaved, so all links carry traffic at once) when they have
+  the same hops and slab size, else one stream's after another's."""
+  runs = []
+  for s in range(schedule.num_streams):
+    transfers = schedule.stream_transfers(s)
+    phases = [p for p in schedule.streams[s] if schedule.torus[p.axis] > 1]
+    stream_runs, at = [], 0
+    for i, phase in enumerate(phases):
+      hops = schedule.torus[phase.axis] - 1
+      following = phases[i + 1].kind if i + 1 < len(phases) else None
+      stream_runs.append(PhaseRun(s, i, tuple(transfers[at : at + hops]), i == 0, following))
+      at += hops
+    runs.append(stream_runs)
+  groups = []
+  for i in range(max(len(r) for r in runs)):
+    round_ = [r[i] for r in runs if i < len(r)]
+    shapes = {(r.hops, r.slab_size(schedule.torus), r.phase.kind) for r in round_}
+    groups += [round_] if len(shapes) == 1 else [[r] for r in round_]
+  return groups
 
 
 # ----------------------------------------------------------------------------------------
 # The kernel
 
 
+def _when(condition, body) -> None:
+  """``body()`` under ``condition``: a Python bool decides at trace time."""
+  if isinstance(condition, bool):
+    if condition:
+      body()
+  else:
+    pl.when(condition)(lambda: (body(), None)[1])
+
+
 # One straight program, as torus_kernels' are (pyproject's per-file C901 exemption says why).
 def _kernel(schedule, topo_args, lay: QLayout, collective, coords_ref, x_ref, *refs):  # noqa: C901
   refs = list(refs)
-  gathers, scatters = collective != "reduce_scatter", collective != "all_gather"
   out_ref = refs.pop(0)  # float32: the work buffer (phase ends), then the result
   own_ref = refs.pop(0) if collective == "reduce_scatter" else None
-  qg, sg = (refs.pop(0), refs.pop(0)) if gathers else (None, None)
-  if scatters:
-    q_slot, s_slot, q_stage, s_stage = (refs.pop(0) for _ in range(4))
-    send_sems, recv_sems, capacity = (refs.pop(0) for _ in range(3))
-  if gathers:
-    ag_send, ag_recv = refs.pop(0), refs.pop(0)
-  f_buf, q_buf, s_buf, local = refs
+  qg, sg = (refs.pop(0), refs.pop(0)) if collective != "reduce_scatter" else (None, None)
+  rings = [tuple(refs.pop(0) for _ in range(4)) for _ in lay.kinds]  # (rq, rs, tq, ts)
+  recv_sems, send_sems, credits, f_buf, q_buf, s_buf, local = refs
   topo = _Topology(*topo_args, coords_ref)
-  steps = schedule.steps()
-  phase_of = _phase_index(schedule)
   torus = schedule.torus
   own_chunk = sum(c * math.prod(torus[a + 1 :]) for a, c in enumerate(topo.coords))
 
@@ -322,255 +347,208 @@ def _kernel(schedule, topo_args, lay: QLayout, collective, coords_ref, x_ref, *r
     for c in copies:
       c.wait()
 
-  def load(k, *, f32=None, q=None):
-    """Loads piece ``k``: float32 rows ``f32 = (ref, row)`` into ``f_buf``, and int8 rows
-    and a scale row ``q = (q_ref, q_row, s_ref, s_row)`` into ``q_buf`` / ``s_buf``."""
-    rows, qn = lay.pieces[k][1], lay.piece_q_rows(k)
-    pairs = []
-    if f32 is not None:
-      pairs.append((rows_at(f32[0], f32[1], rows), f_buf.at[pl.ds(0, rows)]))
-    if q is not None:
-      pairs.append((rows_at(q[0], q[1], qn), q_buf.at[pl.ds(0, qn)]))
-      pairs.append((rows_at(q[2], q[3], 1), s_buf.at[pl.ds(0, 1)]))
-    run_copies(pairs)
+  def load_f32(ref, row, rows):
+    run_copies([(rows_at(ref, row, rows), f_buf.at[pl.ds(0, rows)])])
+    return [f_buf[pl.ds(first, n), :] for _, first, n in _sub_blocks(rows)]
 
-  def sums(k):
-    """``dequantize(q_buf, s_buf) + f_buf`` per compute sub-block of piece ``k``."""
-    words = s_buf[pl.ds(0, 1), :]
-    out = []
-    for half, first, n in _sub_blocks(lay.pieces[k][1]):
-      deq = q_buf[pl.ds(first, n), :].astype(jnp.float32) * _unpack(words, n, half)
-      out.append(deq + f_buf[pl.ds(first, n), :])
-    return out
+  def store_f32(values, rows, dst_ref, row):
+    for (_, first, n), v in zip(_sub_blocks(rows), values):
+      f_buf[pl.ds(first, n), :] = v
+    run_copies([(f_buf.at[pl.ds(0, rows)], rows_at(dst_ref, row, rows))])
 
-  def own_values(k):
-    return [f_buf[pl.ds(first, n), :] for _, first, n in _sub_blocks(lay.pieces[k][1])]
+  def dequantized(q_view, s_view, rows):
+    words = s_view[pl.ds(0, 1), :]
+    return [
+      q_view[pl.ds(first, n), :].astype(jnp.float32) * _unpack(words, n, half)
+      for half, first, n in _sub_blocks(rows)
+    ]
 
-  def quantize_to(k, values, q_ref, qrow, s_ref, srow):
-    """Quantizes piece ``k``'s ``values`` (per sub-block) into ``q_ref[qrow]``, ``s_ref[srow]``."""
+  def quantize_into(values, rows, q_view, s_view):
     words = None
-    for (half, first, n), v in zip(_sub_blocks(lay.pieces[k][1]), values):
+    for (half, first, n), v in zip(_sub_blocks(rows), values):
       q, w = _quantize(v)
-      q_buf[pl.ds(first, n), :] = q
+      q_view[pl.ds(first, n), :] = q
       w = lax.shift_left(w, 16 * half) if half else w
       words = w if words is None else words | w
-    s_buf[pl.ds(0, 1), :] = words
-    qn = lay.piece_q_rows(k)
+    s_view[pl.ds(0, 1), :] = words
+
+  def to_gather(q_view, s_view, kind, gi, offset, piece):
+    """Local DMAs of a piece's int8 rows and scale row into the gather buffers."""
     run_copies(
       [
-        (q_buf.at[pl.ds(0, qn)], rows_at(q_ref, qrow, qn)),
-        (s_buf.at[pl.ds(0, 1)], rows_at(s_ref, srow, 1)),
+        (q_view.at[pl.ds(0, kind.q_rows)], rows_at(qg, lay.q_row(gi, offset), kind.q_rows)),
+        (s_view.at[pl.ds(0, 1)], rows_at(sg, lay.s_row(gi, piece), 1)),
       ]
     )
 
-  def store_f32(k, values, dst_ref, row):
-    for (_, first, n), v in zip(_sub_blocks(lay.pieces[k][1]), values):
-      f_buf[pl.ds(first, n), :] = v
-    rows = lay.pieces[k][1]
-    run_copies([(f_buf.at[pl.ds(0, rows)], rows_at(dst_ref, row, rows))])
-
-  # --- reduce-scatter ------------------------------------------------------------------
-  def rs_copies(tr, slot, slab, k):
-    """The two remote DMAs of piece ``k`` of ``slab`` (every chunk of it): int8 rows and
-    scale rows, from the staging slot to the same place in the neighbour's slot."""
-    g = lay.group_of[k]
-    target = topo.neighbour(tr.phase.axis, tr.phase.direction)
-    q0, s0 = lay.slot_q_row(tr.stream, slot, k), lay.slot_s_row(tr.stream, slot, k)
+  # --- the wire --------------------------------------------------------------------------
+  def wire(run, ki, slot):
+    """The two remote DMAs of a ring slot: int8 rows and scale row, from this device's
+    staging slot to the same slot of the downstream device's receive ring."""
+    rq, rs, tq, ts = rings[ki]
+    qn, s = lay.kinds[ki].q_rows, run.stream
+    target = topo.neighbour(run.phase.axis, run.phase.direction)
     return [
       pltpu.make_async_remote_copy(
-        rows_at(src, row, size),
-        rows_at(dst, row, size),
-        send_sems.at[tr.stream, slot, g],
-        recv_sems.at[tr.stream, slot, g],
+        src.at[s, slot, pl.ds(0, n)],
+        dst.at[s, slot, pl.ds(0, n)],
+        send_sems.at[s, ki, slot],
+        recv_sems.at[s, ki, slot],
         device_id=target,
       )
-      for src, dst, row, size in (
-        (q_stage, q_slot, q0, slab.size * lay.piece_q_rows(k)),
-        (s_stage, s_slot, s0, slab.size),
-      )
+      for src, dst, n in ((tq, rq, qn), (ts, rs, 1))
     ]
 
-  def forwards(t, stream) -> bool:
-    later = steps[t + 1][stream] if t + 1 < len(steps) else None
-    return later is not None and later.phase.kind == "reduce_scatter" and later.step > 0
+  def upstream(run):
+    return topo.neighbour(run.phase.axis, -run.phase.direction)
 
-  def starts_gather(t, stream) -> bool:
-    later = steps[t + 1][stream] if t + 1 < len(steps) else None
-    return later is not None and later.phase.kind == "all_gather"
+  def piece_event(run, j, ki, k, h):  # noqa: C901
+    """Hop ``h`` of piece ``k`` (of kind ``ki``) of the ``j``-th chunk of ``run``'s slabs:
+    take in what hop ``h - 1`` received (none at hop 0), then send hop ``h``'s piece
+    (none after the last hop)."""
+    kind, s, hops = lay.kinds[ki], run.stream, run.hops
+    rq, rs, tq, ts = rings[ki]
+    per_chunk = kind.count * hops
+    total = run.slab_size(torus) * per_chunk
+    seq = lambda hop: (j * kind.count + k) * hops + hop  # this ring's n-th piece
+    offset = kind.first + k * kind.rows
+    if not isinstance(offset, int):
+      offset = pl.multiple_of(offset, 32)
+    piece = kind.index + k
+    rs_kind = run.phase.kind == "reduce_scatter"
+    sending = h < hops
+    slot = seq(h) % _SLOTS if sending else None
 
-  def own_terms(t, stream):
-    return x_ref if phase_of[stream][t] == phase_of[stream][0] else out_ref
+    def free_stage():  # the staging slot's previous piece has left
+      _when(seq(h) >= _SLOTS, lambda: [c.wait_send() for c in wire(run, ki, slot)])
 
-  def uses_slot(t, stream) -> bool:
-    return 0 <= t < len(steps) and steps[t][stream].phase.kind == "reduce_scatter"
-
-  def rs_send(t, tr):
-    slot = t % _RECV_SLOTS
-    slab = topo.slab_chunks(tr, topo.slab(tr.phase, tr.step, sending=True))
-    if not (t > 0 and forwards(t - 1, tr.stream)):  # a phase's first step: quantize
-      src = x_ref if t == 0 else out_ref
-
-      def quantize_chunk(j):
-        chunk = slab.chunk(j)
-        for k in range(len(lay.pieces)):
-          load(k, f32=(src, lay.data_row(chunk, tr.stream, k)))
-          quantize_to(
-            k,
-            own_values(k),
-            q_stage,
-            lay.slot_q_row(tr.stream, slot, k, j),
-            s_stage,
-            lay.slot_s_row(tr.stream, slot, k, j),
-          )
-
-      for_each(slab.size, quantize_chunk)
-    if uses_slot(t - _RECV_SLOTS, tr.stream):  # the downstream slot holds step t - 2
-      pl.semaphore_wait(capacity.at[tr.stream, phase_of[tr.stream][t], slot], 1)
-    for k in range(len(lay.pieces)):
-      for copy in rs_copies(tr, slot, slab, k):
-        copy.start()
-    return slab
-
-  def rs_receive(t, tr):
-    slot = t % _RECV_SLOTS
-    slab = topo.slab_chunks(tr, topo.slab(tr.phase, tr.step, sending=False))
-    own = own_terms(t, tr.stream)
-    nxt = (t + 1) % _RECV_SLOTS
-    for group in lay.groups:
-      for k in group:  # a group's semaphores count all its DMAs: wait for all first
-        for copy in rs_copies(tr, slot, slab, k):
-          copy.wait_recv()
-
-      def add_chunk(j, group=group):
-        chunk = slab.chunk(j)
-        for k in group:
-          q_at = (
-            q_slot,
-            lay.slot_q_row(tr.stream, slot, k, j),
-            s_slot,
-            lay.slot_s_row(tr.stream, slot, k, j),
-          )
-          load(k, f32=(own, lay.data_row(chunk, tr.stream, k)), q=q_at)
-          values = sums(k)
-          if forwards(t, tr.stream):  # step t + 1 sends this sum: quantize it for it
-            quantize_to(
-              k,
-              values,
-              q_stage,
-              lay.slot_q_row(tr.stream, nxt, k, j),
-              s_stage,
-              lay.slot_s_row(tr.stream, nxt, k, j),
-            )
-          elif starts_gather(t, tr.stream):  # the reduced own chunk, quantized once
-            gi = chunk * lay.streams + tr.stream
-            quantize_to(k, values, qg, lay.q_row(gi, k), sg, lay.s_row(gi, k))
-          elif own_ref is not None and t == len(steps) - 1:
-            store_f32(k, values, own_ref, lay.data_row(0, tr.stream, k))
-          else:
-            store_f32(k, values, out_ref, lay.data_row(chunk, tr.stream, k))
-
-      for_each(slab.size, add_chunk)
-    if uses_slot(t + _RECV_SLOTS, tr.stream):  # free the slot for whoever fills it next
-      later = steps[t + _RECV_SLOTS][tr.stream].phase
-      pl.semaphore_signal(
-        capacity.at[tr.stream, phase_of[tr.stream][t + _RECV_SLOTS], slot],
-        1,
-        device_id=topo.neighbour(later.axis, -later.direction),
-      )
-
-  def rs_wait_sends(t, tr, slab):
-    for k in range(len(lay.pieces)):
-      for copy in rs_copies(tr, t % _RECV_SLOTS, slab, k):
-        copy.wait_send()
-
-  # --- all-gather ----------------------------------------------------------------------
-  def ag_copies(t, tr, slab, action):
-    target = topo.neighbour(tr.phase.axis, tr.phase.direction)
-
-    def each(j):
-      gi = slab.chunk(j) * lay.streams + tr.stream
-      # A chunk's slice is contiguous in both gather buffers: one DMA each for all pieces.
-      for ref, row, n in (
-        (qg, lay.q_row(gi, 0), lay.q_rows),
-        (sg, lay.s_row(gi, 0), len(lay.pieces)),
-      ):
-        view = rows_at(ref, row, n)
-        action(
-          pltpu.make_async_remote_copy(
-            view, view, ag_send.at[tr.stream, t], ag_recv.at[tr.stream, t], device_id=target
-          )
+    if h == 0:  # a phase's first hop sends own data
+      tr = run.transfers[0]
+      chunk = topo.slab_chunks(tr, topo.slab(tr.phase, 0, sending=True)).chunk(j)
+      free_stage()
+      if rs_kind:
+        own = x_ref if run.first else out_ref
+        values = load_f32(own, lay.data_row(chunk, s, offset), kind.rows)
+        quantize_into(values, kind.rows, tq.at[s, slot], ts.at[s, slot])
+      else:
+        gi = chunk * lay.streams + s
+        run_copies(
+          [
+            (
+              rows_at(qg, lay.q_row(gi, offset), kind.q_rows),
+              tq.at[s, slot, pl.ds(0, kind.q_rows)],
+            ),
+            (rows_at(sg, lay.s_row(gi, piece), 1), ts.at[s, slot, pl.ds(0, 1)]),
+          ]
         )
+    else:
+      tr = run.transfers[h - 1]
+      chunk = topo.slab_chunks(tr, topo.slab(tr.phase, tr.step, sending=False)).chunk(j)
+      got = seq(h - 1) % _SLOTS
+      for c in wire(run, ki, got):
+        c.wait_recv()
+      received = dequantized(rq.at[s, got], rs.at[s, got], kind.rows)
+      if rs_kind:
+        own = load_f32(x_ref if run.first else out_ref, lay.data_row(chunk, s, offset), kind.rows)
+        values = [r + o for r, o in zip(received, own)]
+        if sending:  # the sum goes on at once
+          free_stage()
+          quantize_into(values, kind.rows, tq.at[s, slot], ts.at[s, slot])
+        elif run.next_kind == "all_gather":  # the reduced own chunk, quantized once
+          quantize_into(values, kind.rows, q_buf, s_buf)
+          store_f32(
+            dequantized(q_buf, s_buf, kind.rows), kind.rows, out_ref, lay.data_row(chunk, s, offset)
+          )
+          to_gather(q_buf, s_buf, kind, chunk * lay.streams + s, offset, piece)
+        elif run.next_kind is None and own_ref is not None:  # a reduce-scatter's result
+          store_f32(values, kind.rows, own_ref, lay.data_row(0, s, offset))
+        else:  # a phase's end: the next phase reads it
+          store_f32(values, kind.rows, out_ref, lay.data_row(chunk, s, offset))
+      else:
+        store_f32(received, kind.rows, out_ref, lay.data_row(chunk, s, offset))
+        if sending:  # forward the bytes unchanged
+          free_stage()
+          for _, first, n in _sub_blocks(kind.rows):
+            tq[s, slot, pl.ds(first, n), :] = rq[s, got, pl.ds(first, n), :]
+          ts[s, slot, pl.ds(0, 1), :] = rs[s, got, pl.ds(0, 1), :]
+        if run.next_kind == "all_gather":  # a later phase sends it again
+          to_gather(rq.at[s, got], rs.at[s, got], kind, chunk * lay.streams + s, offset, piece)
+      # The receive slot is free: the upstream may send the piece that comes _SLOTS later.
+      _when(
+        seq(h - 1) + _SLOTS < total,
+        lambda: pl.semaphore_signal(credits.at[s, run.index, ki], 1, device_id=upstream(run)),
+      )
+    if sending:
+      pl.semaphore_wait(credits.at[s, run.index, ki], 1)
+      for c in wire(run, ki, slot):
+        c.start()
 
-    for_each(slab.size, each)
+  def ring_sizes(run):
+    """(kind index, pieces the run sends on that ring) per piece kind."""
+    return [(ki, run.slab_size(torus) * kind.count * run.hops) for ki, kind in enumerate(lay.kinds)]
 
-  def quantize_own_input(stream):
-    gi = own_chunk * lay.streams + stream
-    for k in range(len(lay.pieces)):
-      load(k, f32=(x_ref, lay.data_row(0, stream, k)))
-      quantize_to(k, own_values(k), qg, lay.q_row(gi, k), sg, lay.s_row(gi, k))
+  def open_rings(group):
+    """Lets each upstream device send the first ``_SLOTS`` pieces of each ring."""
+    for run in group:
+      for ki, total in ring_sizes(run):
+        signal = min(_SLOTS, total)
+        pl.semaphore_signal(credits.at[run.stream, run.index, ki], signal, device_id=upstream(run))
+
+  def close_rings(group):
+    """Waits until every staging slot's last piece has left."""
+    for run in group:
+      for ki, total in ring_sizes(run):
+        for slot in range(min(_SLOTS, total)):
+          for c in wire(run, ki, slot):
+            c.wait_send()
+
+  def run_group(group):
+    open_rings(group)
+
+    def chunk_body(j):
+      for ki, kind in enumerate(lay.kinds):
+
+        def piece_body(k, ki=ki):
+          for h in range(group[0].hops + 1):
+            for run in group:
+              piece_event(run, j, ki, k, h)
+
+        for_each(kind.count, piece_body)
+
+    for_each(group[0].slab_size(torus), chunk_body)
+    close_rings(group)
+
+  def gather_own_input():
+    """An all-gather alone: quantize the own chunk once, keep its bytes and its values."""
+    for s in range(lay.streams):
+      gi = own_chunk * lay.streams + s
+      for kind in lay.kinds:
+
+        def each(k, kind=kind, s=s, gi=gi):
+          offset = kind.first + k * kind.rows
+          if not isinstance(offset, int):
+            offset = pl.multiple_of(offset, 32)
+          values = load_f32(x_ref, lay.data_row(0, s, offset), kind.rows)
+          quantize_into(values, kind.rows, q_buf, s_buf)
+          store_f32(
+            dequantized(q_buf, s_buf, kind.rows),
+            kind.rows,
+            out_ref,
+            lay.data_row(own_chunk, s, offset),
+          )
+          to_gather(q_buf, s_buf, kind, gi, offset, kind.index + k)
+
+        for_each(kind.count, each)
 
   # --- the schedule --------------------------------------------------------------------
   with jax.named_scope("barrier"):
     topo.barrier(schedule)
-  for t, transfers in enumerate(steps):
-    with jax.named_scope(f"send_step{t}"):
-      sent = []
-      for tr in transfers:
-        if tr.phase.kind == "reduce_scatter":
-          sent.append(rs_send(t, tr))
-        else:
-          if t == 0:  # an all-gather alone: quantize the own chunk once
-            quantize_own_input(tr.stream)
-          slab = topo.slab_chunks(tr, topo.slab(tr.phase, tr.step, sending=True))
-          ag_copies(t, tr, slab, lambda c: c.start())
-          sent.append(slab)
-    with jax.named_scope(f"receive_step{t}"):
-      for tr in transfers:
-        if tr.phase.kind == "reduce_scatter":
-          rs_receive(t, tr)
-        else:
-          slab = topo.slab_chunks(tr, topo.slab(tr.phase, tr.step, sending=False))
-          ag_copies(t, tr, slab, lambda c: c.wait_recv())
-      for tr, slab in zip(transfers, sent):
-        if tr.phase.kind == "reduce_scatter":
-          rs_wait_sends(t, tr, slab)
-        else:
-          ag_copies(t, tr, slab, lambda c: c.wait_send())
-  if gathers:  # every chunk, the own one included: the same bytes on every device
-    with jax.named_scope("dequantize"):
-
-      def dequantize_chunk(c):
-        for s in range(lay.streams):
-          gi = c * lay.streams + s
-          for k in range(len(lay.pieces)):
-            load(k, q=(qg, lay.q_row(gi, k), sg, lay.s_row(gi, k)))
-            words = s_buf[pl.ds(0, 1), :]
-            values = [
-              q_buf[pl.ds(first, n), :].astype(jnp.float32) * _unpack(words, n, half)
-              for half, first, n in _sub_blocks(lay.pieces[k][1])
-            ]
-            store_f32(k, values, out_ref, lay.data_row(c, s, k))
-
-      def dequantize_chunk_batched(c):
-        S, R, Rq = lay.streams, lay.rows, lay.q_rows
-        q0 = pl.multiple_of(c * (S * Rq), _QUANTUM)
-        run_copies(
-          [
-            (rows_at(qg, q0, S * Rq), q_buf.at[pl.ds(0, S * Rq)]),
-            (rows_at(sg, c * S, S), s_buf.at[pl.ds(0, S)]),
-          ]
-        )
-        for s in range(S):  # ascending: a slice's padding rows are overwritten by the next
-          words = s_buf[pl.ds(s, 1), :]
-          for half in range(ceil_div(Rq, _SUB)):
-            n = min(_SUB, Rq - half * _SUB)
-            q = q_buf[pl.ds(s * Rq + half * _SUB, n), :]
-            f_buf[pl.ds(s * R + half * _SUB, n), :] = q.astype(jnp.float32) * _unpack(
-              words, n, half
-            )
-        run_copies([(f_buf.at[pl.ds(0, S * R)], rows_at(out_ref, c * (S * R), S * R))])
-
-      for_each(lay.chunks, dequantize_chunk_batched if lay.batched else dequantize_chunk)
+  if collective == "all_gather":
+    with jax.named_scope("quantize_own"):
+      gather_own_input()
+  for g, group in enumerate(phase_groups(schedule)):
+    with jax.named_scope(f"phase{g}_{group[0].phase.kind}"):
+      run_group(group)
 
 
 # ----------------------------------------------------------------------------------------
@@ -584,37 +562,40 @@ def _wire(lay: QLayout) -> int:
 
 def cost(schedule: schedule_lib.Schedule, lay: QLayout, collective: str) -> pl.CostEstimate:
   """Every HBM access and remote byte the kernel makes, per device (every device makes
-  the same ones, since the grid is whole). A local DMA counts a read and a write; a remote
-  DMA a read here and a write in the neighbour's HBM. Flops: about 12 vector ops per
-  element quantized, 3 per element dequantized and added, 2 per element dequantized."""
+  the same ones, since the grid is whole). A local DMA counts a read and a write of HBM
+  where its ends are in HBM; a remote DMA goes from VMEM to the neighbour's VMEM and
+  touches no HBM. Flops: about 12 vector ops per element quantized, 3 per element
+  dequantized and added, 2 per element dequantized."""
   accessed = remote = flops = 0
-  f32, wire = lay.rows * LANES * 4, _wire(lay)
-  elements = lay.rows * LANES
-  steps = schedule.steps()
-  for t, transfers in enumerate(steps):
-    for tr in transfers:
-      size = math.prod(schedule.torus[a] for a in tr.live_axes if a != tr.phase.axis)
-      accessed += 2 * size * wire  # the remote DMAs: read here, write there
-      remote += size * wire
-      if tr.phase.kind == "all_gather":
-        continue
-      if tr.step == 0:  # a phase's first slab, quantized from float32 into the staging
-        accessed += size * (f32 + wire)
-        flops += 12 * size * elements
-      accessed += size * (wire + f32)  # load q, scales and own terms
-      flops += 3 * size * elements
-      following = steps[t + 1][tr.stream] if t + 1 < len(steps) else None
-      if following is not None and (following.phase.kind == "all_gather" or following.step > 0):
-        accessed += size * wire  # quantized for the next step or for the gather
-        flops += 12 * size * elements
-      else:
-        accessed += size * f32  # stored in float32
-  if collective == "all_gather":  # the own chunk quantized once
-    accessed += lay.streams * (f32 + wire)
-    flops += 12 * lay.streams * elements
-  if collective != "reduce_scatter":  # every chunk dequantized at the end
-    accessed += lay.chunks * lay.streams * (wire + f32)
-    flops += 2 * lay.chunks * lay.streams * elements
+  torus = schedule.torus
+  for group in phase_groups(schedule):
+    for run in group:
+      size, hops = run.slab_size(torus), run.hops
+      for kind in lay.kinds:
+        pieces = size * kind.count
+        elements = kind.rows * LANES
+        f32, wire = 4 * elements, kind.q_rows * LANES + 4 * LANES
+        remote += pieces * hops * wire
+        if run.phase.kind == "reduce_scatter":
+          accessed += pieces * (hops + 1) * f32  # the own terms, at every hop and the end
+          flops += pieces * (12 * hops + 3 * hops) * elements
+          if run.next_kind == "all_gather":  # quantized, its values kept, its bytes kept
+            accessed += pieces * (f32 + wire)
+            flops += pieces * 14 * elements
+          else:
+            accessed += pieces * f32
+        else:
+          accessed += pieces * wire  # the first hop's bytes, from the gather buffers
+          accessed += pieces * hops * f32  # every piece received, dequantized into out
+          flops += pieces * hops * 2 * elements
+          if run.next_kind == "all_gather":
+            accessed += pieces * hops * wire
+  if collective == "all_gather":  # the own chunk: read, quantized, kept, dequantized
+    for kind in lay.kinds:
+      elements = kind.rows * LANES
+      wire = kind.q_rows * LANES + 4 * LANES
+      accessed += lay.streams * kind.count * (8 * elements + wire)
+      flops += lay.streams * kind.count * 14 * elements
   return pl.CostEstimate(
     flops=flops, transcendentals=0, bytes_accessed=accessed, remote_bytes_transferred=remote
   )
@@ -632,36 +613,32 @@ def _hbm(x: jax.Array, shape, dtype):
 def _call(collective, grid, schedule, axes, mesh_axes, lay: QLayout):
   """Runs the quantized ``collective`` kernel on the 2-D float32 ``grid`` (rows of 128).
   Returns the own chunk's float32 sums (reduce-scatter) or the dequantized grid."""
-  streams, steps = schedule.num_streams, schedule.num_steps
+  streams = schedule.num_streams
   phases = max(len(p) for p in schedule.streams)
-  gathers, scatters = collective != "reduce_scatter", collective != "all_gather"
-  outputs, scratch, semaphores = [((lay.grid_rows, LANES), jnp.float32)], [], 0
+  kinds = len(lay.kinds)
+  outputs = [((lay.grid_rows, LANES), jnp.float32)]
   if collective == "reduce_scatter":
     outputs.append(((lay.streams * lay.rows, LANES), jnp.float32))
-  if gathers:
+  else:
     gi = lay.chunks * lay.streams
     outputs += [((gi * lay.q_rows, LANES), jnp.int8), ((gi * len(lay.pieces), LANES), jnp.int32)]
-  if scatters:  # receive slots, then send staging (same layout)
-    q, s = lay.slot_slices * lay.q_rows, lay.slot_slices * len(lay.pieces)
-    outputs += [((q, LANES), jnp.int8), ((s, LANES), jnp.int32)] * 2
-    groups = len(lay.groups)
-    scratch += [
-      pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS, groups)),
-      pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS, groups)),
-      pltpu.SemaphoreType.REGULAR((streams, phases, _RECV_SLOTS)),
-    ]
-    semaphores += 2 * streams * _RECV_SLOTS * groups + streams * phases * _RECV_SLOTS
-  if gathers:
-    scratch += [pltpu.SemaphoreType.DMA((streams, steps))] * 2
-    semaphores += 2 * streams * steps
-  if semaphores > _MAX_SEMAPHORES:
-    raise ValueError(f"{semaphores} semaphores: more than the {_MAX_SEMAPHORES} a kernel may hold")
+  scratch = []
+  for kind in lay.kinds:  # per kind: receive ring, then staging ring
+    q = pltpu.VMEM((streams, _SLOTS, kind.buf_rows, LANES), jnp.int8)
+    s = pltpu.VMEM((streams, _SLOTS, 8, LANES), jnp.int32)
+    scratch += [q, s, q, s]
   scratch += [
-    pltpu.VMEM((lay.f_buf_rows, LANES), jnp.float32),
-    pltpu.VMEM((lay.q_buf_rows, LANES), jnp.int8),
+    pltpu.SemaphoreType.DMA((streams, kinds, _SLOTS)),
+    pltpu.SemaphoreType.DMA((streams, kinds, _SLOTS)),
+    pltpu.SemaphoreType.REGULAR((streams, phases, kinds)),
+    pltpu.VMEM((lay.buf_rows, LANES), jnp.float32),
+    pltpu.VMEM((lay.buf_rows, LANES), jnp.int8),
     pltpu.VMEM((8, LANES), jnp.int32),
     pltpu.SemaphoreType.DMA((3,)),
   ]
+  semaphores = streams * kinds * (2 * _SLOTS + phases) + 3
+  if semaphores > _MAX_SEMAPHORES:
+    raise ValueError(f"{semaphores} semaphores: more than the {_MAX_SEMAPHORES} a kernel may hold")
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   kernel = functools.partial(
     _kernel, schedule, (tuple(axes), schedule.torus, tuple(mesh_axes)), lay, collective

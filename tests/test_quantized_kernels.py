@@ -272,10 +272,11 @@ def test_compiles_ahead_of_time(topology):
 def test_compiled_bytes_against_the_bfloat16_kernel_on_v5e_4x4():
   """2**20 float32 elements per device on v5e:4x4 (a whole grid: no pad, no slice; the
   only op around the kernel is XLA copying the program's result out of its buffer). The
-  wire bytes are 0.52 of the bfloat16 blocking kernel's; the HBM bytes stay under 0.7 of
-  the float32 kernel's floor. (They are 1.29 times the bfloat16 kernel's, compiler
-  estimate: the partial sums are read, and the result written, in float32, and each hop
-  stages its int8 payload in HBM; the issue's 0.6 of bfloat16's is not reached.)"""
+  compiler's bytes accessed are the kernel's declared ones (counted in interpret mode by
+  ``test_kernel_accounting.py``): 0.81 of the bfloat16 blocking kernel's floor on
+  bfloat16 data and 0.40 of the float32 kernel's (the wire is VMEM to VMEM; what remains
+  is the float32 own terms read at every hop and the float32 result written once). The
+  wire bytes are 0.52 of the bfloat16 kernel's."""
   from bench import aot_report
 
   elements = 2**20
@@ -283,14 +284,17 @@ def test_compiled_bytes_against_the_bfloat16_kernel_on_v5e_4x4():
   glue = aot_report.glue(compiled)
   assert [g for g in glue if g not in aot_report.output_copies(glue)] == []
   ours = aot_report.collective_bytes(compiled)
-  # The float32 blocking kernel is at its floor 7 (p-1)/p S (test_kernels_aot.py).
-  f32_floor = aot_report.ideal_bytes(mesh.size, 4 * elements)
-  assert ours < 0.7 * f32_floor
   schedule = schedule_lib.build("all_reduce", (4, 4), "torus_split")
   lay = qk.QLayout(schedule, elements // (16 * 4 * 128))
-  wire = qk.cost(schedule, lay, "all_reduce").remote_bytes_transferred
+  declared = qk.cost(schedule, lay, "all_reduce")
+  # The kernel's declared bytes, and a few KB of XLA's small ops (the mesh coordinates).
+  assert declared.bytes_accessed <= ours <= declared.bytes_accessed + 16 * 1024
+  # The blocking kernels are at their floor 7 (p-1)/p S (test_kernels_aot.py).
+  bf16_floor = aot_report.ideal_bytes(mesh.size, 2 * elements)
+  assert ours < 0.82 * bf16_floor
+  assert ours < 0.41 * aot_report.ideal_bytes(mesh.size, 4 * elements)
   bf16_wire = aot_report.wire_bound(mesh.size, 2 * elements)  # what the bf16 kernel sends
-  assert 0.5 < wire / bf16_wire < 0.53
+  assert 0.5 < declared.remote_bytes_transferred / bf16_wire < 0.53
 
 
 @pytest.mark.interpret
