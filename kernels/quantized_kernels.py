@@ -15,21 +15,29 @@ block whose largest magnitude is under about 127 times the smallest normal float
 subnormal scale. On a TPU the float32 reciprocal may also round differently, within
 ``quantization.error_bound``.
 
-Layout. The wrapper lays out a device's float32 buffer as the ``shard_map`` implementation
-does: ``p`` chunks of ``m = ceil(n / p)`` elements, each zero-padded to ``width`` (a whole
-number of 128-element rows per stream). The kernel sees it as a 2-D ``[p * S * R, 128]``
-float32 array. Chunk ``c`` (row-major over the torus coordinates) begins at row
-``c * S * R``, and its stream slice ``s`` at ``+ s * R``. A slice is cut into pieces of
-``P`` rows (``PIECE_ROWS``) and one shorter rest: at most two piece sizes (``PieceKind``).
-Blocks are rows, so a block never spans two chunks or two streams, as the format requires.
-32-bit DMAs of a ``[rows, 128]`` HBM array may start and end at any row. Int8 DMAs start
-and end on 4-row boundaries (one 512-byte DMA word; Mosaic: "aligned to the unit subtile
-(4)"), so an int8 piece of ``r`` rows travels as ``ceil4(r)`` rows (up to 3 rows of
-padding per piece of the rest kind).
-Glue: the wrapper pads each chunk to ``width``, reshapes the buffer to rows of 128, and
-slices the result. When ``n == p * width`` (e.g. 2**20 elements on 16 devices) the
-reshapes are bitcasts, and the only op XLA puts around the kernel is the copy of the
-program's result. Otherwise XLA emits pads, relayout reshapes and a slice.
+Layout. A device's buffer is the ``shard_map`` implementation's chunk grid: ``p`` chunks
+of ``width`` elements (an even number of 128-element rows ``R`` per stream). An all-reduce
+lays its ``n`` elements over the grid as they are: chunk ``c`` is elements
+``[c * width, (c + 1) * width)``, and positions from ``n`` on do not exist (they count as
+zeros, and nothing is read or written there). A reduce-scatter or all-gather has chunks of
+the caller's ``m`` elements, each zero-padded to ``width``. Chunk ``c`` (row-major over the
+torus coordinates) begins at grid row ``c * S * R``, and its stream slice ``s`` at
+``+ s * R``. A slice is cut into pieces of ``P`` rows (``PIECE_ROWS``) and one shorter
+rest: at most two piece sizes (``PieceKind``). Blocks are rows, so a block never spans two
+chunks or two streams, as the format requires. Int8 DMAs start and end on 4-row
+boundaries (one 512-byte DMA word; Mosaic: "aligned to the unit subtile (4)"), so an int8
+piece of ``r`` rows travels as ``ceil4(r)`` rows (up to 3 rows of padding per piece of the
+rest kind).
+
+Glue. The all-reduce reads its 1-D input (float32, bfloat16 or float16) and writes its 1-D
+result in the input's type in place (``Flat``): whole rows by 1-D DMAs of whole 512-byte
+words, viewed as ``[rows, 128]`` in VMEM, and the last ``n`` modulo a word elements as a
+small padded second input and a DMA of their own out. So no XLA op surrounds it at any
+size (ResNet-50's 25,557,032-element gradient on v5e:4x4 and v5e:16x16 included; the one
+copy is XLA moving a program's result out of the kernel's buffer). The reduce-scatter and
+all-gather get a float32 ``[rows, 128]`` grid from the wrapper, which pads each chunk to
+``width`` and slices the result: bitcasts where ``m`` is a whole ``width``, XLA pads,
+relayouts and a slice otherwise.
 
 Wire format of a piece. The int8 values ``q`` take ``[ceil4(rows), 128]``. The scales take
 one ``[1, 128]`` int32 row: lane ``l`` holds the bfloat16 bits of row ``l``'s scale in its
@@ -43,10 +51,11 @@ The wire never touches HBM. Each (stream, piece kind) has two rings of ``_SLOTS`
 slots on every device: a receive ring, which the upstream neighbour's remote DMAs write,
 and a staging ring, from which this device's remote DMAs read. A piece goes from the
 sender's staging slot straight into the same slot of the receiver's receive ring. HBM
-holds only what must outlive a piece: the input (read), the float32 result or work
-buffer ``out``, and, for gathers, ``q_gather`` / ``s_gather``, the int8 values and scale
-rows of the chunks that a later phase sends (chunk ``c``, stream ``s``, piece ``k`` at
-row ``(c * S + s) * Rq + k * P`` / ``(c * S + s) * pieces + k``).
+holds only what must outlive a piece: the input (read), the result (an all-reduce's 1-D
+result, or the float32 grid ``out``), the float32 work buffer ``out`` of partial sums
+between two reduce-scatter phases, and, for gathers, ``q_gather`` / ``s_gather``, the int8
+values and scale rows of the chunks that a later phase sends (chunk ``c``, stream ``s``,
+piece ``k`` at row ``(c * S + s) * Rq + k * P`` / ``(c * S + s) * pieces + k``).
 
 Order: the pipelined ring. A phase (one stream's ring reduce-scatter or all-gather along
 one axis, ``hops = n - 1`` transfers) runs piece by piece: for every piece position of its
@@ -98,20 +107,21 @@ device grants its credit before it waits for its own. ``collective_id``:
 from the blocking kernels' ids.
 
 HBM traffic (``cost``, checked against the DMAs counted in interpret mode by
-``tests/test_kernel_accounting.py``): per element and hop, the own float32 term is read;
-the wire is VMEM to VMEM; the result is written once in float32. On v5e:4x4 at 2**20
-float32 elements per device the compiler's bytes accessed are 0.81 of the bfloat16
-blocking kernel's floor on bfloat16 data and 0.40 of the float32 kernel's (compiler
-estimate; the float32 reads and writes of the own terms and the result are most of it).
+``tests/test_kernel_accounting.py``): the wire is VMEM to VMEM; the own terms are read at
+every hop (from the input in a stream's first phase, so once per element there); the
+result is written once. Compiler estimates for ResNet-50's gradient in one buffer, on
+v5e:4x4: 0.50 of the bfloat16 blocking kernels' floor on a bfloat16 gradient; on a
+float32 gradient, under 0.6 of sending it as bfloat16 (cast, bfloat16 kernels, cast
+back) (``tests/test_quantized_kernels.py``).
 
 What is simple here and could be faster: local loads and stores of own terms are
 synchronous (no double buffering across pieces; on a TPU this latency, not the links,
 would bound small and mid-sized all-reduces). Every piece, however short, sends a whole
 512-byte scale row (4 bytes per block where a slice has at most 128 rows). Only int8
-blocks of 128 on every axis are supported, on float32 partial sums (a bfloat16 input is
-widened by the wrapper, as the ``shard_map`` implementation does). Nothing here has run on
-a TPU: it is verified in interpret mode and compiles for v4, v5e and v6e
-(``tests/test_quantized_kernels.py``).
+blocks of 128 on every axis are supported. Partial sums are float32 (the reduce-scatter
+and all-gather widen a 16-bit input in the wrapper, as the ``shard_map`` implementation
+does). Nothing here has run on a TPU: it is verified in interpret mode and compiles for
+v4, v5e and v6e (``tests/test_quantized_kernels.py``).
 """
 
 from __future__ import annotations
@@ -265,6 +275,59 @@ class QLayout:
 
 
 @dataclasses.dataclass(frozen=True)
+class Flat:
+  """An all-reduce's 1-D input and result of ``n`` elements of ``dtype``, addressed in
+  place over the grid's rows (no XLA pad, reshape or slice around the kernel).
+
+  Grid row ``g`` holds elements ``[128 g, 128 g + 128)``. Rows below ``whole_rows`` move by
+  DMA straight from and to the buffer (1-D DMAs of whole 512-byte words, viewed as rows
+  in VMEM). The buffer's last ``tail`` elements (``n`` modulo a word) are no whole word:
+  they arrive as a small second input, padded with zeros to ``tail_rows`` rows, and leave
+  by a DMA of their own from a VMEM array of exactly their length (a DMA moves a slice
+  shorter than a word only where it ends at the end of its array). Rows from
+  ``whole_rows + tail_rows`` on do not exist: they are zeros, never read or written. One
+  piece at most (``partial``) holds both existing and missing rows."""
+
+  n: int
+  dtype: object
+
+  @property
+  def word(self) -> int:
+    return 512 // jnp.dtype(self.dtype).itemsize
+
+  @property
+  def tail(self) -> int:
+    return self.n % self.word
+
+  @property
+  def whole_rows(self) -> int:
+    return (self.n - self.tail) // LANES
+
+  @property
+  def tail_rows(self) -> int:
+    return ceil_div(self.tail, LANES)
+
+  def partial(self, lay: QLayout):
+    """(grid row, stream, kind index) of the piece that holds row ``whole_rows``, or
+    None when that row begins a piece and no tail follows (no piece is partial)."""
+    row = self.whole_rows
+    if row >= lay.grid_rows or (not self.tail and _piece_start(lay, row) == row):
+      return None
+    return _piece_start(lay, row), (row // lay.rows) % lay.streams, _kind_at(lay, row)
+
+
+def _piece_start(lay: QLayout, row: int) -> int:
+  """The first grid row of the piece that holds grid row ``row``."""
+  slice_start = row - row % lay.rows
+  return slice_start + (row - slice_start) // lay.piece_rows * lay.piece_rows
+
+
+def _kind_at(lay: QLayout, row: int) -> int:
+  within = row % lay.rows
+  return next(i for i, k in enumerate(lay.kinds) if within < k.first + k.count * k.rows)
+
+
+@dataclasses.dataclass(frozen=True)
 class PhaseRun:
   """One stream's ring phase: its ``transfers`` (one per hop), its index in the stream,
   whether it is the stream's first phase, and the kind of the phase after it (or None)."""
@@ -311,6 +374,11 @@ def phase_groups(schedule: schedule_lib.Schedule) -> list[list[PhaseRun]]:
   return groups
 
 
+def needs_work_buffer(schedule: schedule_lib.Schedule) -> bool:
+  """Whether a reduce-scatter phase hands partial sums to another (through ``out``)."""
+  return any(r.next_kind == "reduce_scatter" for g in phase_groups(schedule) for r in g)
+
+
 # ----------------------------------------------------------------------------------------
 # The kernel
 
@@ -325,13 +393,17 @@ def _when(condition, body) -> None:
 
 
 # One straight program, as torus_kernels' are (pyproject's per-file C901 exemption says why).
-def _kernel(schedule, topo_args, lay: QLayout, collective, coords_ref, x_ref, *refs):  # noqa: C901
+def _kernel(schedule, topo_args, lay: QLayout, collective, flat, coords_ref, x_ref, *refs):  # noqa: C901
   refs = list(refs)
-  out_ref = refs.pop(0)  # float32: the work buffer (phase ends), then the result
+  xt_ref = refs.pop(0) if flat is not None and flat.tail else None  # the padded tail rows
+  res_ref = refs.pop(0) if flat is not None else None  # an all-reduce's 1-D result
+  # float32 grid: the work buffer (phase ends); an all-gather's result
+  out_ref = refs.pop(0) if flat is None or needs_work_buffer(schedule) else None
   own_ref = refs.pop(0) if collective == "reduce_scatter" else None
   qg, sg = (refs.pop(0), refs.pop(0)) if collective != "reduce_scatter" else (None, None)
   rings = [tuple(refs.pop(0) for _ in range(4)) for _ in lay.kinds]  # (rq, rs, tq, ts)
-  recv_sems, send_sems, credits, f_buf, q_buf, s_buf, local = refs
+  recv_sems, send_sems, credits, f_buf, q_buf, s_buf, local = refs[:7]
+  x_buf, xt_buf, t_buf = (refs[7:] + [None] * 3)[:3]
   topo = _Topology(*topo_args, coords_ref)
   torus = schedule.torus
   own_chunk = sum(c * math.prod(torus[a + 1 :]) for a, c in enumerate(topo.coords))
@@ -381,6 +453,94 @@ def _kernel(schedule, topo_args, lay: QLayout, collective, coords_ref, x_ref, *r
       ]
     )
 
+  # --- an all-reduce's 1-D input and result (``Flat``) ------------------------------------
+  def flat_cases(g, s, ki):
+    """(whole, partial) conditions of the piece at grid row ``g``: all its rows lie below
+    ``whole_rows``; it is the partial piece (None if no piece of this stream and kind is)."""
+    rows, part = lay.kinds[ki].rows, flat.partial(lay)
+    whole = g + rows <= flat.whole_rows
+    holds = part is not None and part[1:] == (s, ki)
+    return whole, (g == part[0]) if holds else None
+
+  def elements(row, rows):
+    start = row * LANES
+    start = start if isinstance(start, int) else pl.multiple_of(start, flat.word)
+    return pl.ds(start, rows * LANES)
+
+  def load_flat(chunk, s, offset, ki):
+    """The float32 values of a piece of the 1-D input, zeros where rows do not exist."""
+    rows = lay.kinds[ki].rows
+    g = lay.data_row(chunk, s, offset)
+    whole, partial = flat_cases(g, s, ki)
+
+    def from_input(row, n):
+      run_copies([(x_ref.at[elements(row, n)], x_buf.at[pl.ds(0, n * LANES)])])
+      return x_buf[pl.ds(0, n * LANES)].astype(jnp.float32).reshape(n, LANES)
+
+    def zeros():
+      f_buf[pl.ds(0, _up(rows, 32)), :] = jnp.zeros((_up(rows, 32), LANES), jnp.float32)
+
+    def whole_piece():
+      f_buf[pl.ds(0, rows), :] = from_input(g, rows)
+
+    def partial_piece():
+      zeros()
+      start, tail_rows = flat.partial(lay)[0], flat.tail_rows
+      present = flat.whole_rows - start
+      if present:
+        f_buf[pl.ds(0, present), :] = from_input(start, present)
+      if tail_rows:
+        run_copies([(xt_ref, xt_buf)])
+        tail = xt_buf[...].astype(jnp.float32).reshape(tail_rows, LANES)
+        f_buf[pl.ds(present, tail_rows), :] = tail
+
+    _when(whole, whole_piece)
+    if partial is None:
+      _when(jnp.logical_not(whole) if not isinstance(whole, bool) else not whole, zeros)
+    else:
+      _when(partial, partial_piece)
+      missing = jnp.logical_and(jnp.logical_not(whole), jnp.logical_not(partial))
+      _when(missing if not isinstance(g, int) else (not whole and not partial), zeros)
+    return [f_buf[pl.ds(first, n), :] for _, first, n in _sub_blocks(rows)]
+
+  def store_flat(values, chunk, s, offset, ki):
+    """Writes a piece's values to the 1-D result, where its rows exist."""
+    rows, dtype = lay.kinds[ki].rows, jnp.dtype(flat.dtype)
+    g = lay.data_row(chunk, s, offset)
+    whole, partial = flat_cases(g, s, ki)
+    for (_, first, n), v in zip(_sub_blocks(rows), values):
+      f_buf[pl.ds(first, n), :] = v
+
+    def to_result(row, n, at):
+      x_buf[pl.ds(0, n * LANES)] = f_buf[pl.ds(at, n), :].reshape(n * LANES).astype(dtype)
+      run_copies([(x_buf.at[pl.ds(0, n * LANES)], res_ref.at[elements(row, n)])])
+
+    def partial_piece():
+      start = flat.partial(lay)[0]
+      present = flat.whole_rows - start
+      if present:
+        to_result(start, present, 0)
+      if flat.tail:
+        rows_out = f_buf[pl.ds(present, flat.tail_rows), :]
+        t_buf[...] = rows_out.reshape(flat.tail_rows * LANES)[: flat.tail].astype(dtype)
+        run_copies([(t_buf, res_ref.at[pl.ds(flat.n - flat.tail, flat.tail)])])
+
+    _when(whole, lambda: to_result(g, rows, 0))
+    if partial is not None:
+      _when(partial, partial_piece)
+
+  def own_terms(run, chunk, s, offset, ki):
+    if run.first and flat is not None:
+      return load_flat(chunk, s, offset, ki)
+    row = lay.data_row(chunk, s, offset)
+    return load_f32(x_ref if run.first else out_ref, row, lay.kinds[ki].rows)
+
+  def store_result(values, chunk, s, offset, ki):
+    if flat is not None:
+      store_flat(values, chunk, s, offset, ki)
+    else:
+      store_f32(values, lay.kinds[ki].rows, out_ref, lay.data_row(chunk, s, offset))
+
   # --- the wire --------------------------------------------------------------------------
   def wire(run, ki, slot):
     """The two remote DMAs of a ring slot: int8 rows and scale row, from this device's
@@ -427,8 +587,7 @@ def _kernel(schedule, topo_args, lay: QLayout, collective, coords_ref, x_ref, *r
       chunk = topo.slab_chunks(tr, topo.slab(tr.phase, 0, sending=True)).chunk(j)
       free_stage()
       if rs_kind:
-        own = x_ref if run.first else out_ref
-        values = load_f32(own, lay.data_row(chunk, s, offset), kind.rows)
+        values = own_terms(run, chunk, s, offset, ki)
         quantize_into(values, kind.rows, tq.at[s, slot], ts.at[s, slot])
       else:
         gi = chunk * lay.streams + s
@@ -449,23 +608,21 @@ def _kernel(schedule, topo_args, lay: QLayout, collective, coords_ref, x_ref, *r
         c.wait_recv()
       received = dequantized(rq.at[s, got], rs.at[s, got], kind.rows)
       if rs_kind:
-        own = load_f32(x_ref if run.first else out_ref, lay.data_row(chunk, s, offset), kind.rows)
+        own = own_terms(run, chunk, s, offset, ki)
         values = [r + o for r, o in zip(received, own)]
         if sending:  # the sum goes on at once
           free_stage()
           quantize_into(values, kind.rows, tq.at[s, slot], ts.at[s, slot])
         elif run.next_kind == "all_gather":  # the reduced own chunk, quantized once
           quantize_into(values, kind.rows, q_buf, s_buf)
-          store_f32(
-            dequantized(q_buf, s_buf, kind.rows), kind.rows, out_ref, lay.data_row(chunk, s, offset)
-          )
+          store_result(dequantized(q_buf, s_buf, kind.rows), chunk, s, offset, ki)
           to_gather(q_buf, s_buf, kind, chunk * lay.streams + s, offset, piece)
         elif run.next_kind is None and own_ref is not None:  # a reduce-scatter's result
           store_f32(values, kind.rows, own_ref, lay.data_row(0, s, offset))
         else:  # a phase's end: the next phase reads it
           store_f32(values, kind.rows, out_ref, lay.data_row(chunk, s, offset))
       else:
-        store_f32(received, kind.rows, out_ref, lay.data_row(chunk, s, offset))
+        store_result(received, chunk, s, offset, ki)
         if sending:  # forward the bytes unchanged
           free_stage()
           for _, first, n in _sub_blocks(kind.rows):
@@ -560,42 +717,57 @@ def _wire(lay: QLayout) -> int:
   return lay.q_rows * LANES + len(lay.pieces) * 4 * LANES
 
 
-def cost(schedule: schedule_lib.Schedule, lay: QLayout, collective: str) -> pl.CostEstimate:
+def _run_cost(run: PhaseRun, kind: PieceKind, torus, flat: Flat | None) -> tuple[int, int, int]:
+  """(HBM bytes, remote bytes, flops) of one phase's pieces of one kind (see ``cost``)."""
+  size, hops = run.slab_size(torus), run.hops
+  pieces, elements = size * kind.count, kind.rows * LANES
+  f32, wire = 4 * elements, kind.q_rows * LANES + 4 * LANES
+  result = 0 if flat is not None else f32  # a flat result is counted once, in ``cost``
+  accessed, remote = 0, pieces * hops * wire
+  if run.phase.kind == "reduce_scatter":
+    if not (run.first and flat is not None):
+      accessed += pieces * (hops + 1) * f32  # the own terms, at every hop and the end
+    flops = pieces * 15 * hops * elements
+    if run.next_kind == "all_gather":  # quantized, its bytes kept, its values stored
+      accessed += pieces * (wire + result)
+      flops += pieces * 14 * elements
+    else:
+      accessed += pieces * f32
+  else:
+    accessed += pieces * wire  # the first hop's bytes, from the gather buffers
+    accessed += pieces * hops * result  # every piece received, dequantized
+    flops = pieces * hops * 2 * elements
+    if run.next_kind == "all_gather":
+      accessed += pieces * hops * wire
+  return accessed, remote, flops
+
+
+def cost(
+  schedule: schedule_lib.Schedule, lay: QLayout, collective: str, flat: Flat | None = None
+) -> pl.CostEstimate:
   """Every HBM access and remote byte the kernel makes, per device (every device makes
   the same ones, since the grid is whole). A local DMA counts a read and a write of HBM
   where its ends are in HBM; a remote DMA goes from VMEM to the neighbour's VMEM and
-  touches no HBM. Flops: about 12 vector ops per element quantized, 3 per element
-  dequantized and added, 2 per element dequantized."""
+  touches no HBM. With ``flat`` (an all-reduce), the first phase reads every element of
+  the input once, the padded tail rows included, and the result is written once; rows
+  that do not exist are neither read nor written. Flops: about 12 vector ops per element
+  quantized, 3 per element dequantized and added, 2 per element dequantized."""
   accessed = remote = flops = 0
-  torus = schedule.torus
   for group in phase_groups(schedule):
     for run in group:
-      size, hops = run.slab_size(torus), run.hops
       for kind in lay.kinds:
-        pieces = size * kind.count
-        elements = kind.rows * LANES
-        f32, wire = 4 * elements, kind.q_rows * LANES + 4 * LANES
-        remote += pieces * hops * wire
-        if run.phase.kind == "reduce_scatter":
-          accessed += pieces * (hops + 1) * f32  # the own terms, at every hop and the end
-          flops += pieces * (12 * hops + 3 * hops) * elements
-          if run.next_kind == "all_gather":  # quantized, its values kept, its bytes kept
-            accessed += pieces * (f32 + wire)
-            flops += pieces * 14 * elements
-          else:
-            accessed += pieces * f32
-        else:
-          accessed += pieces * wire  # the first hop's bytes, from the gather buffers
-          accessed += pieces * hops * f32  # every piece received, dequantized into out
-          flops += pieces * hops * 2 * elements
-          if run.next_kind == "all_gather":
-            accessed += pieces * hops * wire
+        run_bytes, run_remote, run_flops = _run_cost(run, kind, schedule.torus, flat)
+        accessed, remote, flops = accessed + run_bytes, remote + run_remote, flops + run_flops
   if collective == "all_gather":  # the own chunk: read, quantized, kept, dequantized
     for kind in lay.kinds:
       elements = kind.rows * LANES
       wire = kind.q_rows * LANES + 4 * LANES
       accessed += lay.streams * kind.count * (8 * elements + wire)
       flops += lay.streams * kind.count * 14 * elements
+  if flat is not None:
+    itemsize = jnp.dtype(flat.dtype).itemsize
+    rows_read = min(flat.whole_rows, lay.grid_rows) + flat.tail_rows
+    accessed += (rows_read * LANES + flat.n) * itemsize
   return pl.CostEstimate(
     flops=flops, transcendentals=0, bytes_accessed=accessed, remote_bytes_transferred=remote
   )
@@ -610,13 +782,20 @@ def _hbm(x: jax.Array, shape, dtype):
   return pltpu.HBM.from_type(aval)
 
 
-def _call(collective, grid, schedule, axes, mesh_axes, lay: QLayout):
-  """Runs the quantized ``collective`` kernel on the 2-D float32 ``grid`` (rows of 128).
-  Returns the own chunk's float32 sums (reduce-scatter) or the dequantized grid."""
+def _call(collective, x, schedule, axes, mesh_axes, lay: QLayout, flat: Flat | None):
+  """Runs the quantized ``collective`` kernel: on the 1-D all-reduce input ``x`` (with
+  ``flat``), returning its 1-D result, or on the 2-D float32 grid ``x`` (rows of 128),
+  returning the own chunk's float32 sums (reduce-scatter) or the dequantized grid."""
   streams = schedule.num_streams
   phases = max(len(p) for p in schedule.streams)
   kinds = len(lay.kinds)
-  outputs = [((lay.grid_rows, LANES), jnp.float32)]
+  inputs, outputs = [x], []
+  if flat is not None:
+    if flat.tail:
+      inputs.append(jnp.pad(x[flat.n - flat.tail :], (0, flat.tail_rows * LANES - flat.tail)))
+    outputs.append(((flat.n,), x.dtype))
+  if flat is None or needs_work_buffer(schedule):
+    outputs.append(((lay.grid_rows, LANES), jnp.float32))
   if collective == "reduce_scatter":
     outputs.append(((lay.streams * lay.rows, LANES), jnp.float32))
   else:
@@ -636,29 +815,36 @@ def _call(collective, grid, schedule, axes, mesh_axes, lay: QLayout):
     pltpu.VMEM((8, LANES), jnp.int32),
     pltpu.SemaphoreType.DMA((3,)),
   ]
+  if flat is not None:  # the input's and result's pieces, their tail rows, the tail
+    scratch.append(pltpu.VMEM((lay.buf_rows * LANES,), x.dtype))
+    if flat.tail:
+      scratch += [
+        pltpu.VMEM((flat.tail_rows * LANES,), x.dtype),
+        pltpu.VMEM((flat.tail,), x.dtype),
+      ]
   semaphores = streams * kinds * (2 * _SLOTS + phases) + 3
   if semaphores > _MAX_SEMAPHORES:
     raise ValueError(f"{semaphores} semaphores: more than the {_MAX_SEMAPHORES} a kernel may hold")
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   kernel = functools.partial(
-    _kernel, schedule, (tuple(axes), schedule.torus, tuple(mesh_axes)), lay, collective
+    _kernel, schedule, (tuple(axes), schedule.torus, tuple(mesh_axes)), lay, collective, flat
   )
   results = pl.pallas_call(
     kernel,
-    out_shape=tuple(_hbm(grid, shape, dtype) for shape, dtype in outputs),
+    out_shape=tuple(_hbm(x, shape, dtype) for shape, dtype in outputs),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
-      in_specs=[any_spec],
+      in_specs=[any_spec] * len(inputs),
       out_specs=(any_spec,) * len(outputs),
       scratch_shapes=scratch,
     ),
-    cost_estimate=cost(schedule, lay, collective),
+    cost_estimate=cost(schedule, lay, collective, flat),
     compiler_params=pltpu.CompilerParams(
       collective_id=collective_id(f"quantized_{collective}", axes, schedule),
       has_side_effects=True,
     ),
     name=f"torus_quantized_{collective}_{'_'.join(axes)}",
-  )(mesh_coordinates(mesh_axes), grid)
+  )(mesh_coordinates(mesh_axes), *inputs)
   return results[1] if collective == "reduce_scatter" else results[0]
 
 
@@ -678,31 +864,39 @@ def _plan(collective, axes, torus, mesh_axes):
 
 
 def _width(m: int, streams: int) -> int:
-  """The chunk width of ``backends.shard_map`` (``_padded_width``): whole 128-element
-  rows per stream."""
-  return _up(m, streams * LANES)
+  """The chunk width of ``backends.shard_map`` (``_padded_width``): an even number of
+  128-element rows per stream, so a 16-bit buffer's slices start on DMA words."""
+  return _up(m, 2 * streams * LANES)
 
 
 def _launch(collective, x, axes, torus, mesh_axes, piece_rows):
   """Checks ``x``, lays it out as the ``shard_map`` implementation's chunk grid and runs
-  the kernel: (its float32 result, ``m``, ``p``, ``width``), or None on a torus of one."""
+  the kernel: (its result, ``m``, ``p``, ``width``), or None on a torus of one. An
+  all-reduce addresses ``x`` in place (``Flat``); the others get a float32 grid."""
   if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"expected a 1-D floating buffer, got {x.shape} {x.dtype}")
   axes, torus, mesh_axes, schedule = _plan(collective, axes, torus, mesh_axes)
   if schedule is None:
     return None
-  p, wide = math.prod(torus), x.astype(jnp.float32)
+  p, streams = math.prod(torus), schedule.num_streams
   if collective == "reduce_scatter" and x.size % p:
     raise ValueError(f"reduce_scatter needs a size divisible by {p} devices, got {x.size=}")
   m = {"all_reduce": ceil_div(x.size, p), "reduce_scatter": x.size // p}.get(collective, x.size)
-  width = _width(m, schedule.num_streams)
-  if collective == "all_gather":
-    grid = pad_to(wide, width)
-  else:
-    grid = pad_chunks(pad_to(wide, p * m), p, width)
-  lay = QLayout(schedule, width // (schedule.num_streams * LANES), piece_rows)
+  width = _width(m, streams)
+  lay = QLayout(schedule, width // (streams * LANES), piece_rows)
+  if collective == "all_reduce":  # chunks of ``width`` back to back; padding at the end
+    flat = x if x.dtype.itemsize in (2, 4) else x.astype(jnp.float32)
+    flat = ensure_varying(flat, axes)
+    return (
+      _call(collective, flat, schedule, axes, mesh_axes, lay, Flat(x.size, flat.dtype)),
+      m,
+      p,
+      width,
+    )
+  wide = x.astype(jnp.float32)
+  grid = pad_to(wide, width) if collective == "all_gather" else pad_chunks(wide, p, width)
   grid = ensure_varying(grid.reshape(-1, LANES), axes)
-  return _call(collective, grid, schedule, axes, mesh_axes, lay), m, p, width
+  return _call(collective, grid, schedule, axes, mesh_axes, lay, None), m, p, width
 
 
 def quantized_all_reduce(
@@ -715,12 +909,13 @@ def quantized_all_reduce(
 ) -> jax.Array:
   """``[n] -> [n]``: the sum over the torus with int8 block-scaled transport, identical
   on every device, equal to ``backends.shard_map.all_reduce(x, axes, torus,
-  transport=(BlockScaled("int8"),) * len(axes))``. Call inside ``shard_map``."""
+  transport=(BlockScaled("int8"),) * len(axes))``. Call inside ``shard_map``. ``x`` is
+  read and the result written in place, in ``x``'s type (16- and 32-bit floats; others
+  are summed as float32): no XLA op surrounds the kernel."""
   launched = _launch("all_reduce", x, axes, torus, mesh_axes, piece_rows)
   if launched is None:
     return x
-  out, m, p, width = launched
-  return out.reshape(p, width)[:, :m].reshape(-1)[: x.size].astype(x.dtype)
+  return launched[0].astype(x.dtype)
 
 
 def quantized_reduce_scatter(

@@ -37,7 +37,10 @@ def _chunk_width(collective, torus, n, transport) -> tuple[int, int]:
   backend lays the grid out."""
   p = math.prod(torus)
   m = {"all_gather": n, "reduce_scatter": n // p}.get(collective, ceil_div(n, p))
-  return m, backend._padded_width(m, tuple(torus), transport)
+  width = backend._padded_width(m, tuple(torus), transport)
+  if collective == "all_reduce" and transport:  # whole chunks, the padding at the end
+    return width, width
+  return m, width
 
 
 def _model(collective, torus, x, transport):

@@ -215,10 +215,11 @@ def _execute(
 
 def _padded_width(m: int, torus: tuple[int, ...], transport=None) -> int:
   """The chunk width: a whole number of blocks (of the block-scaled ``transport``) per
-  stream."""
+  stream; with transport, an even number of them, so that a 16-bit buffer's stream
+  slices start on the remote-DMA kernels' DMA words (``quantized_kernels``)."""
   (kept,) = drop_unit_axes(torus)
   streams = _schedule("all_reduce", kept).num_streams if kept else 1
-  unit = streams * quantization.block_multiple(transport)
+  unit = streams * quantization.block_multiple(transport) * (2 if transport else 1)
   return ceil_div(m, unit) * unit
 
 
@@ -302,6 +303,8 @@ def all_reduce(
   sizes, torus = torus, tile or torus
   p, n = math.prod(torus), x.shape[0]
   m = ceil_div(n, p)
+  if transport:  # chunks of the padded width back to back, the padding at the buffer's end
+    m = _padded_width(m, torus, transport)
   flat = pad_to(x.astype(accumulation_dtype(x.dtype)), p * m)
   out, width, residual = _summed(
     "all_reduce", flat, p, axes, torus, sizes, x.dtype, transport, with_residual
