@@ -105,7 +105,7 @@ def test_split_torus_uses_every_link_every_step(torus):
   "torus,fewer,steps", [((4, 4, 8), 14, 26), ((2, 2, 4), 6, 10), ((4, 8), 8, 20)]
 )
 def test_split_torus_on_unequal_axes_leaves_links_idle_in_some_steps(torus, fewer, steps):
-  """On unequal axis sizes the rotations drift out of phase: the README's figure for
+  """On unequal axis sizes the rotations drift out of phase: the figure in docs/algorithm.md for
   4x4x8 (14 of the all-reduce's 26 steps use fewer than six links)."""
   sched = S.build("all_reduce", torus, S.Variant.TORUS_SPLIT)
   every_link = {(a, d) for a in range(len(torus)) for d in (1, -1)}

@@ -22,7 +22,7 @@ output, read with ``bench.hlo_schedule``):
   moves an all-reduce's bytes.
 
 Whether the flags pay is a question of topology, and ``python -m bench.overlap_report``
-answers it (compiler estimates and the cost model; the README has the table): each
+answers it (compiler estimates and the cost model; docs/benchmarks.md has the table): each
 collective they keep apart pays the torus's latency, which grows with its diameter. For a
 ResNet-50 step at batch 32 per replica they shorten the weight-update-sharding step on
 v5e:4x4 and lengthen every step on v5e:16x16, so nothing applies them by default.

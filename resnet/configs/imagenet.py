@@ -50,8 +50,8 @@ def get_config(global_batch: int = 4096):
   c.defer_weight_gather = True
   # Off: by bench.overlap_report (compiler estimates and the cost model), the libtpu flags
   # for async gradient collectives shorten this step on v5e:4x4 but lengthen it on v5e:16x16,
-  # where each of the many collectives they leave apart pays the torus's latency (README).
-  # Turn on after the report says they win on your topology.
+  # where each of the many collectives they leave apart pays the torus's latency
+  # (docs/benchmarks.md). Turn on after the report says they win on your topology.
   c.xla_overlap_settings = False
   c.log_every_steps = 100
   c.eval_every_epochs = 4.0
