@@ -32,9 +32,10 @@ rest kind).
 Glue. The all-reduce reads its 1-D input (float32, bfloat16 or float16) and writes its 1-D
 result in the input's type in place (``Flat``): whole rows by 1-D DMAs of whole 512-byte
 words, viewed as ``[rows, 128]`` in VMEM, and the last ``n`` modulo a word elements as a
-small padded second input and a DMA of their own out. So no XLA op surrounds it at any
-size (ResNet-50's 25,557,032-element gradient on v5e:4x4 and v5e:16x16 included; the one
-copy is XLA moving a program's result out of the kernel's buffer). The reduce-scatter and
+small padded second input and a DMA of their own out. So the only XLA ops around it are a
+slice and pad of those last elements (under 512 bytes), at any size (ResNet-50's
+25,557,032-element gradient on v5e:4x4 and v5e:16x16 included; a program whose result is
+the sum also gets XLA's copy of it out of the kernel's buffer). The reduce-scatter and
 all-gather get a float32 ``[rows, 128]`` grid from the wrapper, which pads each chunk to
 ``width`` and slices the result: bitcasts where ``m`` is a whole ``width``, XLA pads,
 relayouts and a slice otherwise.
@@ -911,7 +912,8 @@ def quantized_all_reduce(
   on every device, equal to ``backends.shard_map.all_reduce(x, axes, torus,
   transport=(BlockScaled("int8"),) * len(axes))``. Call inside ``shard_map``. ``x`` is
   read and the result written in place, in ``x``'s type (16- and 32-bit floats; others
-  are summed as float32): no XLA op surrounds the kernel."""
+  are summed as float32): no XLA op on the buffer surrounds the kernel (only a slice and
+  pad of its last ``n`` modulo 512 bytes)."""
   launched = _launch("all_reduce", x, axes, torus, mesh_axes, piece_rows)
   if launched is None:
     return x

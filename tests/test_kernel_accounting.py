@@ -326,19 +326,23 @@ def test_dma_semaphore_left_signalled_is_caught(monkeypatch):
 # short piece per stream slice (2x4), whole pieces and a short one (the ring: 32 + 1
 # rows), and a three-phase gather (2x2x2).
 QUANTIZED_CASES = [
-  ("all_reduce", (2, 4), 5000, 256, "eager"),
-  ("all_reduce", (8,), 8 * 2 * 128 * 33 - 77, 32, "on_wait"),
-  ("reduce_scatter", (2, 4), 8 * 700, 32, "on_wait"),
-  ("all_gather", (2, 2, 2), 3000, 32, "eager"),
+  ("all_reduce", (2, 4), 5000, 256, "eager", jnp.float32),
+  ("all_reduce", (8,), 8 * 2 * 128 * 33 - 77, 32, "on_wait", jnp.float32),
+  ("all_reduce", (2, 4), 20_400, 256, "on_wait", jnp.bfloat16),  # read in place, 2-row tail
+  ("reduce_scatter", (2, 4), 8 * 700, 32, "on_wait", jnp.float32),
+  ("all_gather", (2, 2, 2), 3000, 32, "eager", jnp.float32),
 ]
 
 
 @pytest.mark.parametrize(
-  "collective,shape,n,piece_rows,mode",
+  "collective,shape,n,piece_rows,mode,dtype",
   QUANTIZED_CASES,
-  ids=[f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[2]}-{c[4]}" for c in QUANTIZED_CASES],
+  ids=[
+    f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[2]}-{c[4]}-{jnp.dtype(c[5]).name}"
+    for c in QUANTIZED_CASES
+  ],
 )
-def test_quantized_kernels_move_what_they_declare(collective, shape, n, piece_rows, mode):
+def test_quantized_kernels_move_what_they_declare(collective, shape, n, piece_rows, mode, dtype):
   """The int8 kernels' declared HBM and remote bytes are what their DMAs move, counted
   (every device moves the same, so the mean is each device's), and they move no HBM bytes
   for the wire: the remote DMAs go from VMEM to the neighbour's VMEM."""
@@ -346,7 +350,7 @@ def test_quantized_kernels_move_what_they_declare(collective, shape, n, piece_ro
 
   mesh = harness.mesh(shape)
   names, p = mesh.axis_names, mesh.size
-  x = jnp.asarray(np.random.default_rng(n).standard_normal((p, n)), jnp.float32)
+  x = jnp.asarray(np.random.default_rng(n).standard_normal((p, n)), dtype)
   ours = {
     "all_reduce": qk.quantized_all_reduce,
     "reduce_scatter": qk.quantized_reduce_scatter,
