@@ -2,6 +2,7 @@
 
 import harness
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -24,10 +24,16 @@ ResNet-50 gradient into one synchronous collective after the backward pass; unde
 others asynchronously, each once the backward pass has produced its leaf (it overlaps
 single arrays that a fusion computes, not packed buffers, and in ResNet-50 not the 9 MiB
 last-stage kernels: see that module).
+
+A whole-train-step tuning (``tuning.step_tuning.tune_step``) times the user's step with each
+implementation and bucket size; where it measured one for this tree (device kind,
+topology, dominant dtype, size bucket of its bytes), "auto" runs that implementation, and
+that bucket size unless the caller passes ``bucket_bytes`` (``registry.tuned_step``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Any
@@ -47,6 +53,21 @@ DEFAULT_BUCKET_BYTES = 32 * 2**20
 # how ``bench.overlap_report`` tells them from the step's other collectives.
 GRADIENT_SCOPE = "gradient_summation"
 WEIGHT_GATHER_SCOPE = "weight_gather"
+
+_recorders: list[list[registry.Request]] = []
+
+
+@contextlib.contextmanager
+def recorded_requests():
+  """Collects the ``registry.Request`` of every ``all_reduce_gradients`` call traced inside
+  (a list, filled as they are traced): how the step tuner learns which gradient summation
+  a train step makes, the key of what it measures."""
+  seen: list[registry.Request] = []
+  _recorders.append(seen)
+  try:
+    yield seen
+  finally:
+    _recorders.remove(seen)
 
 
 def _check_arguments(leaves, bucket_bytes) -> None:
@@ -123,7 +144,7 @@ def all_reduce_gradients(
   axis_name: AxisName,
   *,
   mean: bool = True,
-  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+  bucket_bytes: int | None = None,
   transport_dtype: Any = None,
   implementation: str = "auto",
   residual: Any = None,
@@ -131,6 +152,10 @@ def all_reduce_gradients(
   """Sums (``mean=False``) or averages a gradient pytree over ``axis_name``.
 
   Returns a tree of the same structure, shapes and dtypes.
+
+  ``bucket_bytes``: the largest bucket (a larger leaf gets one of its own); None:
+  ``DEFAULT_BUCKET_BYTES``, or under "auto" the bucket size a whole-step tuning measured
+  for this tree (``tuning.step_tuning``).
 
   ``transport_dtype``: None (the gradients' own dtype), a floating dtype (each bucket is
   cast to it, e.g. ``jnp.bfloat16``), or block-scaled transport: ``jnp.int8``, an fp8
@@ -151,7 +176,7 @@ def all_reduce_gradients(
   """
   names = axes.names(axis_name)
   leaves, treedef = jax.tree.flatten(tree)
-  _check_arguments(leaves, bucket_bytes)
+  _check_arguments(leaves, DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
   cast, transport = _cast_transport(transport_dtype, names)
   if residual is not None and transport is None:
     raise ValueError(
@@ -165,7 +190,14 @@ def all_reduce_gradients(
   with jax.named_scope(GRADIENT_SCOPE):
     wire = [leaf if cast is None else leaf.astype(cast) for leaf in leaves]
     request = _request(wire, torus, block_scaled=transport is not None)
+    for seen in _recorders:
+      seen.append(request)
+    step = registry.tuned_step(request) if implementation == "auto" else None
+    if step is not None:  # a whole-step tuning's choice, its bucket size if ours is unset
+      implementation, tuned_bucket = step
+      bucket_bytes = tuned_bucket if bucket_bytes is None else bucket_bytes
     implementation = registry.resolve(implementation, request)
+    bucket_bytes = DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
     # The gradients' own order (the casts to the transport dtype run in tree order).
     buckets = packing.buckets_by_size(wire, bucket_bytes, packing.computed_order(leaves))
     new_residual = None

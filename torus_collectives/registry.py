@@ -26,7 +26,9 @@ Four ops have implementations: the three collectives (``all_reduce``, ``reduce_s
   choice does not run falls back to XLA (``resolve``). Batch norm is XLA whatever was
   measured: timed alone its Pallas kernels beat XLA's fusions, but inside a network XLA
   fuses batch norm into the neighbouring convolutions, which an opaque kernel cannot join
-  (see ``auto_implementation``).
+  (see ``auto_implementation``). For gradient summation a whole-step entry, where one
+  was measured for the tree being summed (``tuning.step_tuning``), comes first: "auto"
+  then runs its implementation and bucket size (``tuned_step``).
   What "auto" promises about values, and the switch that keeps it bitwise: see
   ``auto_implementation`` and ``bitwise_as_lax``.
 
@@ -399,6 +401,40 @@ def auto_implementation(
     tables.log_unmeasured(device_kind, tuple(torus))
     return "xla"
   return choice if choice in candidates(op, dtype, device_kind) else "xla"
+
+
+def tuned_step(request: Request) -> tuple[str, int | None] | None:
+  """What a whole-step tuning (``tuning.step_tuning.tune_step``) measured for the gradient
+  summation ``request`` under "auto": ``(implementation, bucket bytes)`` (bucket bytes
+  None: the caller's), or None where no step entry speaks for it.
+
+  A step entry speaks for a gradient summation on this device kind over a torus of the
+  same axis sizes, whose dominant dtype and total bytes on the wire (in the size bucket
+  of ``tables.size_bucket``, exactly: a step measured with one gradient tree says nothing
+  of another) are the entry's, and only where "auto" could run a measured choice at all:
+  a summation over mesh axes, not block-scaled, with ``bitwise_as_lax`` off for its
+  dtypes, and a choice that runs here and runs the request. Otherwise None: "auto" then
+  decides as for any op (``auto_implementation``).
+  """
+  if request.op != "all_reduce_gradients" or request.block_scaled or request.nbytes is None:
+    return None
+  if not request.over_mesh_axes or len(request.torus) > MAX_TORUS_AXES:
+    return None
+  if any(_keep_on_xla(d) for d in request.dtypes):
+    return None
+  device_kind = target.target_device().device_kind
+  dtype = request.dtypes[0] if request.dtypes else jnp.float32
+  choice = tables.lookup(
+    device_kind, request.torus, tables.STEP_OP, dtype, request.nbytes, exact=True
+  )
+  if choice is None:
+    return None
+  implementation, bucket_bytes = tables.parse_step_variant(choice)
+  if implementation not in candidates(request.op, dtype, device_kind):
+    return None
+  if unsupported(implementation, request) is not None:
+    return None
+  return implementation, bucket_bytes
 
 
 def check_name(implementation: str) -> None:

@@ -2,7 +2,10 @@
 
 A table records what ``python -m torus_collectives.tuning`` measured on one kind of device:
 for each (device kind, topology, op, dtype, size bucket), the implementation "auto" runs
-and the timings behind that choice. "auto" reads, most specific first:
+and the timings behind that choice. A whole-train-step entry (op ``STEP_OP``, written by
+``tuning.step_tuning``) chooses among ``step_variant`` names, (implementation, bucket size)
+pairs, by the same rule, and is read for its own size bucket only (``lookup(...,
+exact=True)``). "auto" reads, most specific first:
 
 1. a table passed explicitly: ``use_table(path_or_table)`` (``tuning.tuner`` installs its own);
 2. the user cache, ``$TORUS_COLLECTIVES_TUNING`` or else
@@ -94,6 +97,9 @@ ENV_VAR = "TORUS_COLLECTIVES_TUNING"
 SHIPPED_DIR = pathlib.Path(__file__).with_name("tuned")
 BASELINE = "xla"
 TUNE_COMMAND = "python -m torus_collectives.tuning"
+# The op of a whole-train-step entry (``tuning.step_tuning``): its candidates are
+# ``step_variant`` names, (gradient-summation implementation, bucket size) pairs.
+STEP_OP = "train_step"
 
 _log = logging.getLogger("torus_collectives")
 
@@ -247,6 +253,20 @@ def latency_floor_bytes(torus: tuple[int, ...], device_kind: str) -> int:
   return int(pred.latency_s / pred.bandwidth_s)
 
 
+def step_variant(implementation: str, bucket_bytes: int | None = None) -> str:
+  """The candidate name of one variant of a train step: ``"shard_map@4194304"`` (the
+  gradient summation's implementation, ``@`` its bucket size in bytes); with no bucket size
+  (the caller's, the baseline's) the implementation's name alone, so that the baseline
+  variant is ``BASELINE``."""
+  return implementation if bucket_bytes is None else f"{implementation}@{int(bucket_bytes)}"
+
+
+def parse_step_variant(name: str) -> tuple[str, int | None]:
+  """``(implementation, bucket bytes or None)`` of a ``step_variant`` name."""
+  implementation, _, bucket = name.partition("@")
+  return implementation, int(bucket) if bucket else None
+
+
 # ----------------------------------------------------------------------------------------
 # Tables.
 
@@ -310,13 +330,17 @@ class Table:
   version: str = dataclasses.field(default_factory=package_version)
   format: int = FORMAT
 
-  def lookup(self, torus: Sequence[int], op: str, dtype: str, nbytes: int) -> Entry | None:
-    """The entry of the largest measured bucket not above ``nbytes``'s, or None."""
+  def lookup(
+    self, torus: Sequence[int], op: str, dtype: str, nbytes: int, exact: bool = False
+  ) -> Entry | None:
+    """The entry of the largest measured bucket not above ``nbytes``'s (``exact``: of
+    ``nbytes``'s bucket itself), or None."""
     bucket, topo = size_bucket(nbytes), topology(torus)
     found = [
       e
       for e in self.entries
-      if (e.topology, e.op, e.dtype) == (topo, op, dtype) and e.bucket <= bucket
+      if (e.topology, e.op, e.dtype) == (topo, op, dtype)
+      and (e.bucket == bucket if exact else e.bucket <= bucket)
     ]
     return max(found, key=lambda e: e.bucket) if found else None
 
@@ -488,11 +512,14 @@ def tables(device_kind: str) -> list[Table]:
   return out
 
 
-def lookup(device_kind: str, torus: Sequence[int], op: str, dtype, nbytes: int) -> str | None:
-  """The measured choice for this call, or None when nothing was measured."""
+def lookup(
+  device_kind: str, torus: Sequence[int], op: str, dtype, nbytes: int, exact: bool = False
+) -> str | None:
+  """The measured choice for this call, or None when nothing was measured (``exact``: in
+  the size bucket of ``nbytes`` itself, as whole-step entries are read)."""
   name = jnp.dtype(dtype).name
   for table in tables(device_kind):
-    entry = table.lookup(torus, op, name, nbytes)
+    entry = table.lookup(torus, op, name, nbytes, exact)
     if entry is not None:
       return entry.choice
   return None

@@ -29,6 +29,10 @@ processes: run the same call on every process (as any multi-controller JAX progr
 process executes the same programs in the same order; process 0 merges its timings with
 its file, and its table is broadcast, so all processes hold, write and install the same
 table and compile the same programs.
+
+A whole train step is tuned through the same ``tune_cases``: ``tuning.step_tuning.tune_step``
+gives it one ``Case`` whose ``candidates`` are the step's (implementation, bucket size)
+variants.
 """
 
 from __future__ import annotations
@@ -69,7 +73,12 @@ COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-  """One thing to time: ``build(implementation)`` returns a zero-argument call."""
+  """One thing to time: ``build(name)`` returns a zero-argument call.
+
+  ``candidates``: the names to time, ``tables.BASELINE`` among them (a whole train step's
+  ``tables.step_variant`` names); None: the implementations of ``op`` that run here
+  (``registry.candidates``).
+  """
 
   op: str
   dtype: str
@@ -77,6 +86,7 @@ class Case:
   torus: tuple[int, ...]
   label: str
   build: Callable[[str], Callable[[], Any]]
+  candidates: tuple[str, ...] | None = None
 
 
 def _global(mesh: Mesh, shape: tuple[int, ...], dtype, spec: P) -> jax.Array:
@@ -185,7 +195,7 @@ def synthetic_gradients(nbytes: int, dtype="float32", leaves: int = 161) -> list
 def _skip_reason(case: Case, names: Sequence[str], device_kind: str) -> str | None:
   if len(names) < 2:
     return "only xla runs here"
-  if case.op != "batch_norm":
+  if case.op in registry.COLLECTIVES or case.op == "all_reduce_gradients":
     floor = tables.latency_floor_bytes(case.torus, device_kind)
     if case.nbytes < floor:
       return f"below the latency floor ({size_label(floor)}): xla by rule"
@@ -208,7 +218,7 @@ def measure(
   say = progress if progress is not None and jax.process_index() == 0 else lambda _: None
   out = []
   for i, case in enumerate(cases, 1):
-    names = registry.candidates(case.op, case.dtype, device_kind)
+    names = case.candidates or registry.candidates(case.op, case.dtype, device_kind)
     prefix = f"[{i}/{len(cases)}] {case.label} on {tables.topology(case.torus)}"
     reason = _skip_reason(case, names, device_kind)
     if reason:
@@ -417,11 +427,10 @@ def validate(table: tables.Table, fresh: Sequence[tables.Table]) -> list[Verdict
   for entry in table.entries:
     runs = [r for t in fresh for e in t.entries if e.key == entry.key for r in e.runs]
     if not runs:
-      why = (
-        "batch norm: its shape is not recorded"
-        if entry.op == "batch_norm"
-        else (f"needs {entry.topology} on this device count, or was not timed")
-      )
+      why = {
+        "batch_norm": "batch norm: its shape is not recorded",
+        tables.STEP_OP: "a train step: tune it again with tuning.tune_step",
+      }.get(entry.op, f"needs {entry.topology} on this device count, or was not timed")
       verdicts.append(Verdict(entry, [], None, why))
       continue
     ok = tables.holds(entry, runs)
