@@ -6,7 +6,8 @@ These kernels carry out the same ``schedule.build(..., default_variant)`` schedu
 partial sums of its slab as int8 values plus one bfloat16 scale per 128 elements. The
 receiver dequantizes them, adds its own float32 partial sums, and quantizes the sum again
 to send it on. The all-gather quantizes the owner's reduced chunk once and forwards the
-bytes unchanged, and every device dequantizes at the end. So results, the order of adds
+bytes unchanged, and every device dequantizes each chunk as it arrives (its own from the
+same bytes). So results, the order of adds
 and the blocks are those of the ``shard_map`` implementation and ``quantization.simulate``.
 In TPU interpret mode on CPU they match both bitwise. One caveat, shared with the
 ``shard_map`` implementation: XLA (on CPU and TPU) flushes subnormal results to zero, so a
