@@ -39,7 +39,15 @@ memory for the whole block, and wraps a few interpreter internals for its durati
   and waits works on the buffer its DMAs land in, and its reads are checked against
   those DMAs' writes by the race detector;
 * ``Semaphore.wait``: waits are timed; one that blocks longer than
-  ``deadlock_timeout_s`` fails the computation with a ``DeadlockError`` instead of hanging.
+  ``deadlock_timeout_s`` fails the computation with a ``DeadlockError`` instead of hanging;
+* ``_initialize_shared_memory``: the shared memory's two barriers (the global one before a
+  kernel without a barrier semaphore, and the clean-up one that every device meets at the
+  end of each call) are replaced by bounded ones. A wait on either ends with a
+  ``DeadlockError`` after ``deadlock_timeout_s``, and as soon as the computation has
+  failed: the stock barriers count every device's arrival, and a device that fails in a
+  call (a race it reports, say) while the others already wait at that call's end meets
+  the clean-up barrier once where the others meet it again in their next callback, which
+  left them blocked forever, and the next block's computation queued behind them.
 
 The rewrite relies on the order in which jax 0.12's interpreter allocates (the inputs'
 HBM buffers first, in operand order; then the kernel's semaphores in operand order); the
@@ -48,9 +56,12 @@ callback after each call checks that every planned allocation happened.
 On leaving the block without an error, every semaphore a call returned must have been
 waited back to zero with no DMA pending on it (``NeverWaitedError`` otherwise), and the
 race detector must have found nothing. A failed computation is re-raised as the
-interpreter's original failure (``KernelFailure``: a race, say), not as whichever device's
-secondary error XLA happened to report, and jax's ordered-effects tokens are drained so
-the failure does not resurface in the next computation.
+interpreter's original failure (``KernelFailure``: a race, say; ``DeadlockError`` for a
+timed-out wait), not as whichever device's secondary error XLA happened to report; jax's
+ordered-effects tokens are drained so the failure does not resurface in the next
+computation, and the block waits (at most ``deadlock_timeout_s`` and a few seconds) until
+no thread runs interpreter code any more, so that the next block starts on fresh shared
+memory, barriers and semaphores with no straggler of the failed computation left.
 
 Where it stops (what it cannot model):
 
@@ -69,8 +80,10 @@ Where it stops (what it cannot model):
   the interpreter, so a block runs some thousands of calls, not millions. Every call in
   the block must use its interpret params; nested blocks are refused. Executables
   lowered inside a block call back into it, so jax's caches are cleared on entry and exit.
-* The deadlock check is a timeout, not a proof: a wait that is merely slow for longer
-  than ``deadlock_timeout_s`` fails too.
+* The deadlock check is a timeout, not a proof: a wait (on a semaphore or on one of the
+  interpreter's barriers) that is merely slow for longer than ``deadlock_timeout_s`` fails
+  too. After a failure the devices leave the barriers without all having arrived: the
+  failed block's shared memory is only fit for inspection, never for another call.
 * The interpreter's exit check (``_validate``) still prints a line for every semaphore
   that counts something when a call ends: expected for a start call's semaphores in
   eager mode, where its DMAs have already landed.
@@ -338,6 +351,96 @@ def _wrapped_wait(original):
   return wait
 
 
+class _BoundedBarrier:
+  """Stands in for the interpreter's ``threading.Barrier`` objects inside a block: a wait
+  ends when all devices arrive, when the computation has failed (the clean-up barrier
+  returns, the global one raises ``BrokenBarrierError``: nobody waits on a failed call's
+  barrier, so no device is left in it), or after ``deadlock_timeout_s`` with a
+  ``DeadlockError`` that fails the computation."""
+
+  def __init__(self, session, memory, parties, action, name, raise_on_failure):
+    self.session, self.memory, self.parties = session, memory, parties
+    self.action, self.name, self.raise_on_failure = action, name, raise_on_failure
+    self.cv = threading.Condition()
+    self.count = self.generation = 0
+    self.broken = False
+
+  @property
+  def n_waiting(self):
+    return self.count
+
+  def _ended(self):
+    if self.raise_on_failure:
+      raise threading.BrokenBarrierError
+    return 0
+
+  def abort(self):
+    with self.cv:
+      self.broken = True
+      self.cv.notify_all()
+
+  def reset(self):
+    with self.cv:
+      self.broken, self.count = False, 0
+      self.cv.notify_all()
+
+  def wait(self, timeout=None):
+    del timeout
+    t0 = time.monotonic()
+    with self.cv:
+      if self.broken or self.memory._failure is not None:
+        return self._ended()
+      generation = self.generation
+      self.count += 1
+      if self.count == self.parties:
+        self.count = 0
+        self.generation += 1
+        self.cv.notify_all()
+        if self.action is not None:
+          self.action()
+        return 0
+      while self.generation == generation:
+        if self.broken or self.memory._failure is not None:
+          self.count -= 1
+          return self._ended()
+        if time.monotonic() - t0 > self.session.deadlock_timeout_s:
+          self.count -= 1
+          break
+        self.cv.wait(0.05)
+      else:
+        return 0
+    message = (
+      f"deadlock: a device has waited more than {self.session.deadlock_timeout_s:g} s on "
+      f"the interpreter's {self.name} barrier ({self.count} of {self.parties} devices there)"
+    )
+    with self.session.lock:
+      if self.session.deadlock is None:
+        self.session.deadlock = message
+    error = DeadlockError(message)
+    self.memory.set_failed(error, top_level=False)
+    raise error
+
+
+def _wrapped_initialize_shared_memory(original):
+  ipc, _ = _internals()
+
+  def initialize(*args, **kwargs):
+    token = original(*args, **kwargs)
+    session = _session()
+    memory = ipc._get_shared_memory()
+    with ipc._shared_memory_init_lock:
+      if not isinstance(memory.barrier, _BoundedBarrier):
+        n = memory.num_devices
+        memory.barrier = _BoundedBarrier(
+          session, memory, n, ipc._update_clocks_for_global_barrier, "global", True
+        )
+        # Inside the block the shared memory outlives the call: no clean-up action.
+        memory.clean_up_barrier = _BoundedBarrier(session, memory, n, None, "clean-up", False)
+    return token
+
+  return initialize
+
+
 def _watchdog(session: Session, stop: threading.Event) -> None:
   """Fails the computation when a semaphore wait has blocked for too long."""
   ipc, _ = _internals()
@@ -482,6 +585,10 @@ class _SplitCall:
 
   def before(self, device_id, *sem_ids):
     """On each device before the call: what the wrapped allocators must do."""
+    ipc, _ = _internals()
+    memory = ipc._shared_memory
+    if memory is not None:
+      memory.check_failed()  # a failed computation starts no more calls
     _session().plans[int(device_id)] = _Plan(
       name=self.name,
       semaphores=[("bind", np.asarray(ids)) for ids in sem_ids]
@@ -650,6 +757,32 @@ def _check_end(session: Session) -> None:
     )
 
 
+def _wait_for_interpreter_threads(session: Session) -> None:
+  """After a failure, waits (at most the deadlock timeout, plus a margin) until no other
+  thread runs interpreter code, so that no straggler of the failed computation touches the
+  next block's shared memory."""
+  import sys
+
+  me = threading.get_ident()
+  deadline = time.monotonic() + session.deadlock_timeout_s + 5.0
+  marks = ("pallas/mosaic/interpret", __file__)
+  while time.monotonic() < deadline:
+    busy = False
+    for ident, frame in sys._current_frames().items():
+      if ident == me:
+        continue
+      f = frame
+      while f is not None and not busy:
+        name = f.f_code.co_filename.replace("\\", "/")
+        busy = any(m in name for m in marks) and f.f_code.co_name != "_watchdog"
+        f = f.f_back
+      if busy:
+        break
+    if not busy:
+      return
+    time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def async_interpret_mode(
   dma_execution_mode: str = "on_wait",
@@ -685,6 +818,7 @@ def async_interpret_mode(
     "_allocate_buffer": ipc._allocate_buffer,
     "_allocate_semaphores": ipc._allocate_semaphores,
     "dma_start": ipc.dma_start,
+    "_initialize_shared_memory": ipc._initialize_shared_memory,
   }
   original_wait = shared_memory.Semaphore.wait
   replacements = {
@@ -695,6 +829,9 @@ def async_interpret_mode(
     "_allocate_buffer": _wrapped_allocate_buffer(originals["_allocate_buffer"]),
     "_allocate_semaphores": _wrapped_allocate_semaphores(originals["_allocate_semaphores"]),
     "dma_start": _wrapped_dma_start(originals["dma_start"]),
+    "_initialize_shared_memory": _wrapped_initialize_shared_memory(
+      originals["_initialize_shared_memory"]
+    ),
   }
   stop = threading.Event()
   watchdog = threading.Thread(target=_watchdog, args=(session, stop), daemon=True)
@@ -715,12 +852,13 @@ def async_interpret_mode(
         # the next effectful computation (the next test's) would raise it again.
         with contextlib.suppress(Exception):
           jax.effects_barrier()
-        if session.deadlock is not None:
-          raise DeadlockError(session.deadlock) from error
+        _wait_for_interpreter_threads(session)
         # XLA reports whichever device's callback failed first, often one that only saw
         # another's failure (a broken barrier); the interpreter keeps the original.
         memory = ipc._shared_memory
         original = getattr(memory, "_failure", None)
+        if isinstance(original, DeadlockError) or (original is None and session.deadlock):
+          raise DeadlockError(session.deadlock or str(original)) from error
         if original is not None and original is not error:
           raise KernelFailure(f"{type(original).__name__}: {original}") from error
         raise

@@ -6,6 +6,8 @@ the in-flight buffer before the wait, XLA compute on it), in both DMA execution 
 the race detector on.
 """
 
+import time
+
 import harness
 import jax
 import jax.numpy as jnp
@@ -217,6 +219,56 @@ def test_read_of_in_flight_buffer_before_wait_is_a_race(mode):
 
   with pytest.raises(KernelFailure, match="RACE DETECTED"):
     _run(body, _inputs(), mode)
+
+
+def _device_0_reads_before_waiting(out_ref, send, recv, out, copy_ref):
+  """Only device 0 copies the in-flight buffer before waiting; the others wait first."""
+  del out
+
+  @pl.when(lax.axis_index(AXIS) == 0)
+  def _():
+    local = pltpu.make_async_copy(out_ref, copy_ref, send)
+    local.start()
+    local.wait()
+
+  pltpu.make_async_copy(out_ref, out_ref, send).wait()
+  pltpu.make_async_copy(out_ref, out_ref, recv).wait()
+
+
+@pytest.mark.timeout(120, method="thread")
+def test_failed_blocks_leave_the_interpreter_clean(monkeypatch):
+  """A race that device 0 reports late, once the other devices have finished the call and
+  wait in the interpreter's end-of-call barrier (the race report is delayed here): the
+  block raises the race, twice in a row, and leaves no thread behind in a barrier; a
+  correct block after them passes."""
+  from jax._src.pallas.mosaic.interpret import race_detection_state
+
+  check_read = race_detection_state.RaceDetectionState.check_read
+
+  def late_check_read(self, *args, **kwargs):
+    try:
+      return check_read(self, *args, **kwargs)
+    except Exception:
+      time.sleep(1.0)  # the other devices reach the end-of-call barrier meanwhile
+      raise
+
+  monkeypatch.setattr(race_detection_state.RaceDetectionState, "check_read", late_check_read)
+
+  def racy(v):
+    send, recv, out = start(v)
+    return done(out, send, recv, kernel=_device_0_reads_before_waiting, extra_outputs=1)
+
+  for _ in range(2):
+    with pytest.raises(KernelFailure, match="RACE DETECTED"):
+      _run(racy, _inputs(), "eager", deadlock_timeout_s=10.0)
+  monkeypatch.undo()
+
+  def body(v):
+    send, recv, out = start(v)
+    return done(out, send, recv)
+
+  x = _inputs(2)
+  np.testing.assert_array_equal(_run(body, x, "eager"), _ppermuted(x))
 
 
 def test_compute_on_in_flight_buffer_sees_a_placeholder():
