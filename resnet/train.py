@@ -5,7 +5,9 @@ most square 2-D torus) holds a replica of the train state and a slice of the glo
 split over every mesh axis. One step is ``jax.jit`` of a ``jax.shard_map`` body that:
   1. runs the model with batch norm statistics averaged over a group of replicas,
   2. sums gradients over the whole torus with ``tc.all_reduce_gradients`` (torus
-     reduce-scatter / all-gather where the platform has it, lax elsewhere),
+     reduce-scatter / all-gather where the platform has it, lax elsewhere; with
+     ``config.grad_error_feedback``, adding back what the previous step's quantization
+     took off, ``optim.with_error_feedback``),
   3. applies LARS, and averages the moving BN statistics so the state stays replicated.
 With ``weight_update_sharding``, steps 2-3 become ``tc.sharded_update``: reduce-scatter,
 LARS on each device's 1/p of the weights (its state stored split over the devices),
@@ -199,9 +201,15 @@ def _train_step(
     # upper bound of the mean's norm that is just as non-finite when it is.
     grad_norm = jnp.sqrt(lax.pmean(optax.tree.norm(grads) ** 2, axes))
   else:
-    grads = average_gradients(grads, axes)
+    opt_state = state.opt_state
+    if isinstance(opt_state, optim.ErrorFeedbackState):  # this device's [1, *shape] residual
+      residual = jax.tree.map(lambda r: r[0], opt_state.residual)
+      grads, residual = average_gradients(grads, axes, residual=residual)
+      opt_state = opt_state._replace(residual=jax.tree.map(lambda r: r[None], residual))
+    else:
+      grads = average_gradients(grads, axes)
     grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, params)
+    updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
   new_state = TrainState(
     step=state.step + 1,
@@ -238,7 +246,10 @@ def make_train_step(
   axes)`` averages the per-device gradients over the mesh (``tc.all_reduce_gradients`` in
   training; a benchmark may pass ``lax.pmean``); ``None`` when ``tx`` is a
   ``tc.sharded_update``, which averages them itself and keeps its state split as
-  ``opt_state_spec`` says (default: replicated). A batch may carry ``'stop'``, one int32
+  ``opt_state_spec`` says (default: replicated). When the optimizer state is an
+  ``optim.ErrorFeedbackState`` (``config.grad_error_feedback``), ``average_gradients`` also
+  takes this device's residual (``residual=``) and returns the next one with the mean
+  (``(grads, residual)``), which the state keeps. A batch may carry ``'stop'``, one int32
   per device (see ``faults.StopRequest``); ``metrics['stop']`` is then its maximum over
   the mesh, the same on every process. The state is the running one of ``layout``
   (``ParamsLayout``; by default replicated parameters). The result is not jitted, so the
@@ -605,8 +616,12 @@ class _Program:
 def gradient_averaging(config: ml_collections.ConfigDict) -> Callable | None:
   """The ``average_gradients`` of ``make_train_step``: ``tc.all_reduce_gradients`` with the
   configured implementation and transport dtype, or None when the sharded optimizer
-  averages them itself. No error feedback: each step's quantization error is dropped
-  (bench/results/grad_transport_int8_vs_bf16.png compares int8 with bfloat16 transport)."""
+  averages them itself. With ``config.grad_error_feedback`` the train step passes it each
+  device's residual (kept in the optimizer state, ``optim.ErrorFeedbackState``) and keeps
+  the one it returns, so that what one step's quantization drops the next step sends
+  (EF-SGD); without it each step's quantization error is lost.
+  bench/results/grad_transport_int8_vs_bf16.png compares int8 transport, with and without
+  error feedback, with bfloat16's."""
   if config.weight_update_sharding:
     return None
   return functools.partial(

@@ -24,6 +24,9 @@ DTYPES = ("float32", "bfloat16", "float16")  # compute dtypes of the model
 # implementations with block-scaled transport carry.
 CAST_TRANSPORT_DTYPES = ("bfloat16",)
 BLOCK_SCALED_TRANSPORT_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+# The implementations that return the quantization residual of error feedback ("auto" runs
+# block-scaled transport on "shard_map"; "pallas" returns none).
+ERROR_FEEDBACK_IMPLEMENTATIONS = ("auto", "shard_map")
 # The most axes of a torus mesh (``torus_collectives.registry.MAX_TORUS_AXES``, not imported
 # here so that validating needs no jax).
 MAX_MESH_AXES = 3
@@ -135,6 +138,7 @@ RULES = {
     + " or a block-scaled format, "
     + ", ".join(map(repr, BLOCK_SCALED_TRANSPORT_DTYPES)),
   ),
+  "grad_error_feedback": _BOOL,
   "tune": _BOOL,
   "weight_update_sharding": _BOOL,
   "defer_weight_gather": _BOOL,
@@ -161,6 +165,24 @@ def _cross_field_problems(config) -> list[str]:
       f"config.grad_transport_dtype={config.grad_transport_dtype!r} needs "
       "config.weight_update_sharding=False: the sharded optimizer's reduce-scatter takes "
       f"only a block-scaled transport ({', '.join(map(repr, BLOCK_SCALED_TRANSPORT_DTYPES))})."
+    )
+  if (
+    config.grad_error_feedback and config.grad_transport_dtype not in BLOCK_SCALED_TRANSPORT_DTYPES
+  ):
+    problems.append(
+      f"config.grad_error_feedback=True needs a block-scaled config.grad_transport_dtype "
+      f"({', '.join(map(repr, BLOCK_SCALED_TRANSPORT_DTYPES))}), not "
+      f"{config.grad_transport_dtype!r}: only quantization leaves a residual to feed back. "
+      "Set config.grad_transport_dtype='int8' or config.grad_error_feedback=False."
+    )
+  if (
+    config.grad_error_feedback and config.grad_implementation not in ERROR_FEEDBACK_IMPLEMENTATIONS
+  ):
+    problems.append(
+      f"config.grad_error_feedback=True needs config.grad_implementation in "
+      f"{list(ERROR_FEEDBACK_IMPLEMENTATIONS)}, not {config.grad_implementation!r}, which "
+      "returns no quantization residual. Set config.grad_implementation='shard_map' or "
+      "config.grad_error_feedback=False."
     )
   return problems
 

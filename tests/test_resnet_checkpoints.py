@@ -91,3 +91,48 @@ def test_the_only_step_without_its_record_is_not_resumed(tmp_path, caplog):
   assert f"is unusable: no {checkpoints.DIGESTS}" in caplog.text
   (moved,) = (tmp_path / "rejected_checkpoints").iterdir()
   assert (moved / "default").is_dir()
+
+
+def test_error_feedback_residuals_round_trip_into_their_shardings(tmp_path):
+  """A train state whose optimizer state holds each device's gradient residual
+  (``optim.ErrorFeedbackState``, ``[devices, *shape]`` split over the mesh) is saved and
+  restored by ``train.restore_or_create_state`` bitwise, every device's row back on it."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import torus_collectives as tc
+  from resnet import optim, train
+
+  mesh = tc.make_torus_mesh((2, 4), axis_names=("x", "y"))
+  spec = train.state_specs(optim.ErrorFeedbackState(inner=P(), residual=P(("x", "y"))))
+  sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), spec)
+
+  def state(scale):
+    return train.TrainState(
+      step=jnp.int32(3),
+      params={"w": jnp.arange(6.0)},
+      batch_stats={"mean": jnp.ones(2)},
+      opt_state=optim.ErrorFeedbackState(
+        inner={"momentum": jnp.full(6, 0.5)},
+        residual={"w": scale * jnp.arange(8 * 6, dtype=jnp.float32).reshape(8, 6)},
+      ),
+    )
+
+  saved = jax.device_put(state(1e-3), sharding)
+  store = checkpoints.VerifiedCheckpoints(tmp_path)
+  store.save(3, saved)
+  store.close()
+  store = checkpoints.VerifiedCheckpoints(tmp_path)
+  try:
+    restored = train.restore_or_create_state(store, jax.jit(lambda key: state(0.0)), None, sharding)
+  finally:
+    store.close()
+  assert store.latest == 3
+  jax.tree.map(np.testing.assert_array_equal, restored, saved)
+  (residual,) = jax.tree.leaves(restored.opt_state.residual)
+  assert residual.sharding.spec == P(("x", "y"))
+  for shard in residual.addressable_shards:
+    row = shard.index[0].start
+    np.testing.assert_array_equal(
+      np.asarray(shard.data), np.asarray(saved.opt_state.residual["w"])[row : row + 1]
+    )

@@ -67,10 +67,17 @@ def get_config() -> ml_collections.ConfigDict:
   # blocks of 128 values in that dtype plus a scale each, requantized at every hop of the
   # torus schedule, about half of bfloat16's bytes. Block-scaled transport runs on the
   # 'shard_map' implementation (which 'auto' then picks), int8 on 'pallas' too; with
-  # weight_update_sharding only block-scaled formats apply. No error feedback: each step's
-  # quantization error is lost.
-  # bench/results/grad_transport_int8_vs_bf16.png compares int8 with bfloat16 here.
+  # weight_update_sharding only block-scaled formats apply. Without grad_error_feedback each
+  # step's quantization error is lost.
+  # bench/results/grad_transport_int8_vs_bf16.png compares int8, with and without error
+  # feedback, with bfloat16 here.
   c.grad_transport_dtype = ""
+  # Error feedback (EF-SGD) for a block-scaled grad_transport_dtype: each device keeps what
+  # its quantizations took off the gradients (a float32 copy of the gradient per device, in
+  # the optimizer state and so in checkpoints, with or without weight_update_sharding) and
+  # adds it to the next step's, so the summed gradients over a run lose only the last
+  # step's error. Needs the 'auto' or 'shard_map' grad_implementation.
+  c.grad_error_feedback = False
   # Time the gradient summation and batch norms of this model on this mesh before training
   # (resnet/pretune.py); 'auto' runs a torus implementation once it beat XLA with confidence
   # here in two runs from different processes (this one and an earlier one in the cache).
