@@ -292,19 +292,9 @@ def test_under_check_vma_and_a_mesh_with_more_axes():
 
 def _compile(topology: str, elements: int, fn=None, dtype=jnp.float32):
   pytest.importorskip("libtpu", reason="ahead-of-time TPU compiles need libtpu")
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
+  from bench import block_scaled_bytes_report
 
-  from bench import aot_report
-
-  mesh = aot_report.topology_mesh(topology)
-  axes = tuple(mesh.axis_names)
-  torus = tuple(mesh.shape[a] for a in axes)
-  spec = P(axes)
-  fn = fn or (lambda v: qk.quantized_all_reduce(v, axes, torus))
-  program = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
-  arg = jax.ShapeDtypeStruct((mesh.size * elements,), dtype, sharding=NamedSharding(mesh, spec))
-  return mesh, program.lower(arg).compile()
+  return block_scaled_bytes_report.compile_per_device(topology, elements, fn, dtype)
 
 
 @pytest.mark.aot
@@ -343,21 +333,6 @@ def test_compiled_bytes_against_the_bfloat16_kernel_on_v5e_4x4():
   assert 0.5 < declared.remote_bytes_transferred / bf16_wire < 0.53
 
 
-def _bf16_transport_bytes(topology: str, elements: int) -> float:
-  """Compiled bytes accessed of the bfloat16-transport all-reduce of a float32 buffer on
-  the Pallas kernels: the cast to bfloat16, the bfloat16 kernels, the cast back."""
-  import torus_collectives as tc
-  from bench import aot_report
-
-  def summed(v):
-    return tc.all_reduce(v.astype(jnp.bfloat16), aot_report.AXES, implementation="pallas").astype(
-      jnp.float32
-    )
-
-  _, compiled = _compile(topology, elements, fn=summed)
-  return aot_report.summary(compiled)["bytes accessed"]
-
-
 @pytest.mark.aot
 @pytest.mark.parametrize(
   "topology,dtype",
@@ -371,8 +346,10 @@ def test_resnet50_gradient_is_the_kernel_alone_under_the_bf16_bytes(topology, dt
   kernel's declared ones. On bfloat16 gradients they are at most 0.6 of the bfloat16
   blocking kernels' floor 7 (p-1)/p S (which those kernels reach: test_kernels_aot.py).
   On float32 gradients, against sending them as bfloat16 (cast, bfloat16 kernels, cast
-  back), at most 0.6 of that program's bytes too. Compiler estimates, not measurements."""
+  back), at most 0.6 of that program's bytes too. Compiler estimates, not measurements;
+  ``python -m bench.block_scaled_bytes_report`` tabulates them with the same functions."""
   from bench import aot_report
+  from bench import block_scaled_bytes_report as report
 
   elements = aot_report.RESNET50_PARAMETERS
   mesh, compiled = _compile(topology, elements, dtype=dtype)
@@ -381,18 +358,14 @@ def test_resnet50_gradient_is_the_kernel_alone_under_the_bf16_bytes(topology, dt
     glue
   )
   ours = aot_report.collective_bytes(compiled)
-  axes = tuple(mesh.axis_names)
-  schedule = schedule_lib.build("all_reduce", tuple(mesh.shape[a] for a in axes), "torus_split")
-  width = qk._width(ceil_div(elements, mesh.size), schedule.num_streams)
-  lay = qk.QLayout(schedule, width // (schedule.num_streams * 128))
-  declared = qk.cost(schedule, lay, "all_reduce", qk.Flat(elements, jnp.dtype(dtype)))
+  declared = report.declared_cost(mesh, elements, dtype)
   # Beyond the kernel's declared bytes: XLA's small ops (the mesh coordinates, the tail's
   # slice and pad) and the output copy's padding to whole tiles, some tens of KB.
   assert declared.bytes_accessed <= ours <= declared.bytes_accessed + 64 * 1024
   if dtype == jnp.bfloat16:
     assert ours <= 0.6 * aot_report.ideal_bytes(mesh.size, 2 * elements)
   else:
-    assert ours <= 0.6 * _bf16_transport_bytes(topology, elements)
+    assert ours <= 0.6 * report.bf16_transport_bytes(topology, elements)
 
 
 @pytest.mark.interpret
