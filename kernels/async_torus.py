@@ -1,39 +1,51 @@
-"""A split ring all-gather over one torus axis: start, steps and done as separate Pallas calls.
+"""Split ring collectives over one torus axis: start, steps and done as separate Pallas calls.
 
-The blocking all-gather (``torus_kernels.all_gather_call``) holds the TensorCore from its
-first DMA to its last. Here the same ring runs as ``n`` Pallas calls that return while
-their DMAs are still on the link, so XLA may schedule independent compute between them
-(jax's start/done pattern for asynchronous Pallas calls):
+The blocking kernels (``torus_kernels``) hold the TensorCore from their first DMA to their
+last. Here one ring phase of ``n`` devices (a reduce-scatter or an all-gather along one
+axis, ``schedule.build(kind, (n,), "ring")``: one stream, direction +1) runs as ``n``
+Pallas calls that return while their DMAs are still on the link, so XLA may schedule
+independent compute between them (jax's start/done pattern for asynchronous Pallas calls):
 
-* ``all_gather_start(x, axis_name, n, mesh_axes)``: copies the own chunk ``x`` (``m``
-  elements) into its place of the output buffer ``out`` (``n * m`` elements, chunk ``c``
-  of the ring at ``c * m``), runs the entry barrier, and starts hop 0: a remote DMA of the
-  own chunk into the same place of the ring neighbour's ``out``. It returns ``out`` and
-  the hop's send and receive DMA semaphores (``AllGatherState``);
-* ``all_gather_step(state)``: hop ``t`` (1 .. n - 2). It waits for hop ``t - 1``'s receive
-  (the chunk the upstream neighbour sent) and its own send, then forwards the chunk just
-  received to the downstream neighbour. ``out`` is aliased through (the same HBM buffer
-  the DMAs are writing), the semaphores are fresh ones of this call;
-* ``all_gather_done(state)``: waits for the last hop and returns ``out``.
+* ``ring_start(kind, x, axis_name, n, mesh_axes)``: syncs with the ring neighbours and
+  starts hop 0. It returns a ``RingState``: the buffer the DMAs write (``buffer``), the
+  hop's send and receive DMA semaphores, and the static description;
+* ``ring_step(state)``: hop ``t`` (1 .. n - 2). It waits for hop ``t - 1``'s receive (from
+  the upstream neighbour) and its own send, does the hop's local work, and starts hop
+  ``t``'s send to the downstream neighbour. ``buffer`` is aliased through (the same HBM
+  buffer the DMAs are writing); the semaphores are fresh ones of this call;
+* ``ring_done(state)``: waits for the last hop and returns the result.
 
-``ring_all_gather`` runs the whole sequence, with an optional hook between the calls.
+``ring_phase`` runs a whole phase, with an optional hook between the calls;
+``split_collectives`` chains phases over the axes of a torus.
 
-Algorithm: the schedule is ``schedule.build("all_gather", (n,), "ring")`` (one stream,
-direction +1). At hop ``t`` the device at ring position ``p`` sends chunk
-``(p - t) mod n`` (``Phase.send_slab``) to ``p + 1`` and receives chunk
-``(p - 1 - t) mod n`` (``Phase.recv_slab``) from ``p - 1``, each DMA from a place of the
-sender's ``out`` to the same place of the receiver's. After ``n - 1`` hops every device
-holds all ``n`` chunks: ``lax.all_gather(x, axis_name, tiled=True)``.
+The two kinds, for the device at ring position ``p`` (``Phase.send_slab`` /
+``recv_slab``; chunk ``c`` of an ``[n * m]`` buffer lies at ``c * m``):
 
-Synchronisation:
+* all-gather of the own chunk ``x`` (``m`` elements): ``buffer`` is the ``[n * m]``
+  output. Start copies ``x`` into chunk ``p``. At hop ``t`` the device sends chunk
+  ``(p - t) mod n`` from its ``buffer`` into the same place of the neighbour's, and
+  receives chunk ``(p - 1 - t) mod n``. Done returns ``buffer``:
+  ``lax.all_gather(x, axis_name, tiled=True)``;
+* reduce-scatter of the whole ``x`` (``n * m`` elements): ``buffer`` holds ``n - 1``
+  receive slots of ``m`` elements, slot ``t`` for what arrives at hop ``t``. At hop ``t``
+  the device sends its partial sum of chunk ``(p - 1 - t) mod n`` into slot ``t`` of the
+  neighbour's ``buffer``: at hop 0 straight from ``x``, later from its own slot
+  ``t - 1``, to which the step has just added ``x``'s term of that chunk in place
+  (through VMEM, 16-bit floats in float32, rounded once). Done adds ``x``'s chunk ``p``
+  to the last slot into a fresh ``[m]`` output: ``lax.psum_scatter(x, axis_name,
+  scatter_dimension=0, tiled=True)``. ``x`` is an operand of every call (read at every
+  hop) and travels in its own type: bfloat16 on the wire for a bfloat16 gradient.
 
-* no capacity handshake: every place of ``out`` is written exactly once (by the own copy
-  or by one incoming DMA) and read only after the write has been waited for (a chunk is
-  forwarded at hop ``t + 1`` only after hop ``t``'s receive wait), so nothing is reused;
-* entry barrier (the barrier semaphore of ``collective_id("async_all_gather", ...)``, a
+Synchronisation (both kinds):
+
+* no capacity handshake: every place of ``buffer`` is written exactly once by an incoming
+  DMA (and, for the reduce-scatter, once more in place by its own device after waiting
+  for that DMA), and read only after that write has been waited for; nothing is reused,
+  which is what the ``n - 1`` receive slots cost in memory (one ``x`` more);
+* entry barrier (the barrier semaphore of ``collective_id("async_<kind>", ...)``, a
   pattern of its own, distinct from the blocking kernels'): a device signals its upstream
   neighbour and waits for its downstream one before hop 0, so no DMA lands in a device
-  that has not entered the start call (whose ``out`` would not exist yet);
+  that has not entered the start call (whose ``buffer`` would not exist yet);
 * the same neighbour barrier at the entry of every step call, on the same barrier
   semaphore. The receive semaphore that hop ``t``'s DMA increments on the downstream
   neighbour is that neighbour's output of *its* step-``t`` call: XLA allocates it for
@@ -49,30 +61,35 @@ Synchronisation:
   measured). The done call starts no DMA and uses no barrier; every device signals and
   waits the barrier ``n - 1`` times, leaving it at zero;
 * fresh semaphores per call: hop ``t``'s DMA counts on the semaphores its call returns,
-  and only the next call of the sequence waits them (with descriptors of the same chunk,
-  so the byte counts match), so a wait never pairs with another hop's DMA.
+  and only the next call of the sequence waits them (with descriptors of the same
+  ``m``-element places, so the byte counts match), so a wait never pairs with another
+  hop's DMA.
 
-Compiled schedule: between the calls XLA sees only data dependencies (``out`` and the
+Compiled schedule: between the calls XLA sees only data dependencies (``buffer`` and the
 semaphores flow from each call into the next), and it does not keep independent compute
 inside the window: compiled ahead of time for v5e:2x4 (the y axis, n = 4), three
 independent matmuls written between start, the steps and done were all scheduled after
 done, the four calls back to back. So the compute is pinned with
 ``lax.optimization_barrier`` (``pin``, as the async note does): its operands go through a
-barrier with ``out`` after a call, its results through another before the next call.
+barrier with ``buffer`` after a call, its results through another before the next call.
 Then the scheduled program runs start, matmul, step, matmul, step, matmul, done, with
-``out`` handed from call to call in place (each call aliases it; no copy between them);
-the barriers themselves are gone from the scheduled program. The tests check this
-order on the compiled program. XLA copies the result once after done only where it is
-the program's output.
+``buffer`` handed from call to call in place (each call aliases it; no copy between them);
+the barriers themselves are gone from the scheduled program. The tests check this order
+on the compiled program.
 
-Assumptions: a 1-D chunk ``x`` of a 32-bit type (float32, int32) whose length ``m`` is a
-multiple of 128 elements (whole DMA words: no tail); ``n >= 2`` devices along
-``axis_name``; the calls run inside a ``shard_map`` that binds every axis of
-``mesh_axes`` (device ids are mesh coordinates over all of them), in this order, with no
-other kernel of the same pattern interleaved on the same devices; the caller uses
-``out`` only after ``all_gather_done`` (between the calls it is being written). ``out``
-is typed like ``x`` (its varying axes, so ``shard_map(check_vma=True)`` accepts it). All
-calls are marked as having side effects (the barrier signals), like the blocking kernels.
+Assumptions: a 1-D ``x`` of a 32-bit type (float32, int32) or a 16-bit float (bfloat16,
+float16) whose chunk length ``m`` is a whole number of 512-byte DMA words (128 or 256
+elements: no tail); ``n >= 2`` devices along ``axis_name``; the calls run inside a
+``shard_map`` that binds every axis of ``mesh_axes`` (device ids are mesh coordinates over
+all of them), in this order; every device issues the calls of one pattern (all phases of
+one kind on one axis share its barrier semaphore, whichever collective they belong to) in
+the same order, which one program on a TPU does, and which independent sequences get from
+data dependencies (``pin``) where a runtime runs independent calls concurrently (the CPU
+interpreter does); the caller uses the result only after ``ring_done``. Outputs are typed like
+``x`` (its varying axes, so ``shard_map(check_vma=True)`` accepts them). All calls are
+marked as having side effects (the barrier signals), like the blocking kernels. The local
+loads and stores of the reduce-scatter's adds are synchronous (one ``ADD_BLOCK_BYTES``
+block at a time, not double-buffered).
 
 Nothing here has run on a TPU: the calls are verified in TPU interpret mode (with the
 test-side split-call extension, ``tests/async_interpret.py``) and compiled ahead of time
@@ -89,35 +106,48 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from torus_collectives import schedule as schedule_lib
 from torus_collectives.kernels import torus_kernels
-from torus_collectives.kernels.buffer_layout import at, dma_alignment
+from torus_collectives.kernels.buffer_layout import at, dma_alignment, for_each
 
-KIND = "async_all_gather"
+RingKind = Literal["all_gather", "reduce_scatter"]
+KINDS: tuple[RingKind, ...] = ("all_gather", "reduce_scatter")
+# Bytes of each operand that one local load / add / store of the reduce-scatter moves.
+ADD_BLOCK_BYTES = 64 * 1024
 _ANY = pl.BlockSpec(memory_space=pl.ANY)
 _SEM = pl.BlockSpec(memory_space=pltpu.SEMAPHORE)
 _DMA_SEM = pltpu.SemaphoreType.DMA(())
 
 
+def pattern(kind: RingKind) -> str:
+  """The collective-id pattern of a split ring phase (distinct from the blocking kernels')."""
+  return f"async_{kind}"
+
+
 @functools.partial(
   jax.tree_util.register_dataclass,
-  data_fields=["out", "send", "recv"],
-  meta_fields=["hop", "axis_name", "n", "mesh_axes"],
+  data_fields=["buffer", "source", "send", "recv"],
+  meta_fields=["kind", "hop", "axis_name", "n", "mesh_axes"],
 )
 @dataclasses.dataclass(frozen=True)
-class AllGatherState:
-  """What one call of the sequence hands to the next: the output buffer (being written),
-  the send and receive semaphores of hop ``hop``'s DMA, and the static description."""
+class RingState:
+  """What one call of a phase hands to the next: the buffer the DMAs write, the phase's
+  input where later calls read it (the reduce-scatter's ``x``; ``None`` for the
+  all-gather), the send and receive semaphores of hop ``hop``, and the static description."""
 
-  out: jax.Array
+  buffer: jax.Array
+  source: jax.Array | None
   send: jax.Array
   recv: jax.Array
+  kind: RingKind
   hop: int
   axis_name: str
   n: int
@@ -125,57 +155,96 @@ class AllGatherState:
 
   @property
   def chunk(self) -> int:
-    return self.out.shape[0] // self.n
+    """``m``: the elements of one chunk, the size of every DMA of the phase."""
+    slots = self.n if self.kind == "all_gather" else self.n - 1
+    return self.buffer.shape[0] // slots
 
 
-def _schedule(n: int) -> schedule_lib.Schedule:
-  return schedule_lib.build("all_gather", (n,), "ring")
-
-
-def _phase(n: int) -> schedule_lib.Phase:
-  (phases,) = _schedule(n).streams
+def _phase(kind: RingKind, n: int) -> schedule_lib.Phase:
+  (phases,) = _schedule(kind, n).streams
   (phase,) = phases
   return phase
 
 
-def _check(x: jax.Array, n: int, axis_name: str, mesh_axes: Sequence[str]) -> int:
+def _schedule(kind: RingKind, n: int) -> schedule_lib.Schedule:
+  return schedule_lib.build(kind, (n,), "ring")
+
+
+def chunk_elements(kind: RingKind, x: jax.Array, n: int, axis_name: str, mesh_axes) -> int:
+  """``m`` for a phase on ``x``, after checking everything the calls assume (module doc)."""
+  if kind not in KINDS:
+    raise ValueError(f"a split ring phase is one of {KINDS}, got {kind=}")
   if n < 2:
-    raise ValueError(f"a ring all-gather needs n >= 2 devices, got {n=}")
+    raise ValueError(f"a ring {kind} needs n >= 2 devices, got {n=}")
   if axis_name not in mesh_axes:
     raise ValueError(f"{axis_name=} is not one of {mesh_axes=}")
-  if x.ndim != 1 or x.dtype.itemsize != 4:
-    raise ValueError(f"expected a 1-D chunk of a 32-bit type, got {x.dtype}{list(x.shape)}")
-  m = x.shape[0]
-  if m < 1 or m % dma_alignment(4):
-    raise ValueError(f"the chunk's {m} elements must be a positive multiple of 128")
+  integer_or_32_bit = x.dtype.itemsize == 4 and x.dtype.kind in "fiu"
+  if x.ndim != 1 or not (integer_or_32_bit or x.dtype in (jnp.bfloat16, jnp.float16)):
+    raise ValueError(
+      f"expected a 1-D array of a 32-bit type or a 16-bit float, got {x.dtype}{list(x.shape)}"
+    )
+  total = x.shape[0]
+  if kind == "reduce_scatter" and total % n:
+    raise ValueError(f"a reduce-scatter over {n} devices needs a multiple of {n}: {total}")
+  m = total if kind == "all_gather" else total // n
+  align = dma_alignment(x.dtype.itemsize)
+  if m < 1 or m % align:
+    raise ValueError(
+      f"each chunk's {m} elements must be a positive multiple of {align} (whole 512-byte "
+      "DMA words); pad the buffer"
+    )
   return m
 
 
 class _Ring:
-  """This device's place on the ring, inside a kernel."""
+  """This device's place on the ring of one phase, inside a kernel."""
 
-  def __init__(self, axis_name, n, mesh_axes, coords_ref, m):
+  def __init__(self, kind: RingKind, axis_name, n, mesh_axes, coords_ref, m, itemsize=4):
     self.topo = torus_kernels._Topology((axis_name,), (n,), tuple(mesh_axes), coords_ref)
-    self.n, self.m, self.phase = n, m, _phase(n)
+    self.kind, self.n, self.m, self.phase = kind, n, m, _phase(kind, n)
+    self.align = dma_alignment(itemsize)
     self.position = self.topo.coords[0]
 
   def chunk(self, ref, index):
-    return at(ref, index * self.m, self.m, dma_alignment(4))
+    """Chunk ``index`` (traced or static) of an ``[n * m]`` ref, or slot ``index`` of the
+    reduce-scatter's receive buffer."""
+    return at(ref, index * self.m, self.m, self.align)
 
   def sent(self, hop: int):
     """The chunk this device sends at ``hop`` (``Phase.send_slab``, traced)."""
-    return torus_kernels._mod(self.position - self.phase.direction * hop, self.n)
+    shift = hop + 1 if self.kind == "reduce_scatter" else hop
+    return torus_kernels._mod(self.position - self.phase.direction * shift, self.n)
 
   def received(self, hop: int):
     """The chunk this device receives at ``hop`` (``Phase.recv_slab``, traced)."""
-    return torus_kernels._mod(self.position - self.phase.direction * (hop + 1), self.n)
+    shift = hop + 2 if self.kind == "reduce_scatter" else hop + 1
+    return torus_kernels._mod(self.position - self.phase.direction * shift, self.n)
 
-  def dma(self, out_ref, index, send, recv):
-    """The remote DMA of chunk ``index`` to the same place of the downstream neighbour."""
-    view = self.chunk(out_ref, index)
-    return pltpu.make_async_remote_copy(
-      view, view, send, recv, device_id=self.topo.neighbour(0, self.phase.direction)
-    )
+  def source(self, x_ref, buffer_ref, hop: int):
+    """What this device sends at ``hop``: a chunk of its all-gather buffer; the
+    reduce-scatter's ``x`` chunk at hop 0, its partial sum in slot ``hop - 1`` after."""
+    if self.kind == "all_gather":
+      return self.chunk(buffer_ref, self.sent(hop))
+    return self.chunk(x_ref, self.sent(0)) if hop == 0 else self.chunk(buffer_ref, hop - 1)
+
+  def destination(self, buffer_ref, hop: int):
+    """Where ``hop``'s send lands in the downstream neighbour's buffer."""
+    return self.chunk(buffer_ref, self.sent(hop) if self.kind == "all_gather" else hop)
+
+  def landing(self, buffer_ref, hop: int):
+    """Where ``hop``'s receive lands in this device's buffer."""
+    return self.chunk(buffer_ref, self.received(hop) if self.kind == "all_gather" else hop)
+
+  def dma(self, src, dst, send, recv):
+    """A remote DMA from ``src`` here to ``dst``'s place at the downstream neighbour."""
+    downstream = self.topo.neighbour(0, self.phase.direction)
+    return pltpu.make_async_remote_copy(src, dst, send, recv, device_id=downstream)
+
+  def send(self, x_ref, buffer_ref, hop: int, send, recv):
+    """Starts ``hop``'s remote DMA."""
+    self.dma(
+      self.source(x_ref, buffer_ref, hop), self.destination(buffer_ref, hop), send, recv
+    ).start()
 
   def signal_upstream(self):
     """Tells the upstream neighbour this device has entered the current call."""
@@ -186,132 +255,228 @@ class _Ring:
     """Waits until the downstream neighbour has entered the current call."""
     pl.semaphore_wait(pltpu.get_barrier_semaphore(), 1)
 
-  def wait_hop(self, out_ref, hop: int, send, recv):
-    """Waits for ``hop``'s receive and for this device's own send of that hop."""
-    self.dma(out_ref, self.received(hop), send, recv).wait_recv()
-    self.dma(out_ref, self.sent(hop), send, recv).wait_send()
+  def wait_hop(self, x_ref, buffer_ref, hop: int, send, recv, *, remote: bool = True):
+    """Waits for ``hop``'s receive and for this device's own send of that hop.
+
+    A wait only counts bytes off a local semaphore, so the done call, which starts no DMA
+    and signals nobody, waits with local descriptors of the same places
+    (``remote=False``): Mosaic lowers a remote descriptor's device id only in a kernel
+    that communicates, and finds no mesh in one that merely waits."""
+    landed = self.landing(buffer_ref, hop)
+    sent = self.source(x_ref, buffer_ref, hop)
+    if remote:
+      self.dma(landed, landed, send, recv).wait_recv()
+      self.dma(sent, self.destination(buffer_ref, hop), send, recv).wait_send()
+    else:
+      pltpu.make_async_copy(landed, landed, recv).wait()
+      pltpu.make_async_copy(sent, sent, send).wait()
 
 
-def _start_kernel(axis_name, n, mesh_axes, m, coords_ref, x_ref, out_ref, send, recv, local):
-  ring = _Ring(axis_name, n, mesh_axes, coords_ref, m)
-  own = pltpu.make_async_copy(x_ref, ring.chunk(out_ref, ring.position), local)
-  own.start()
-  ring.signal_upstream()
-  own.wait()
-  ring.wait_downstream()
-  ring.dma(out_ref, ring.sent(0), send, recv).start()
+def _sum_through_vmem(ring: _Ring, dst, a, b, vmem_a, vmem_b, sems) -> None:
+  """``dst = a + b`` for HBM views of ``ring.m`` elements, one VMEM block at a time."""
+  block = vmem_a.shape[0]
+  whole, rest = divmod(ring.m, block)
+
+  def segment(start, size):
+    views = [at(ref, start, size, ring.align) for ref in (a, b, dst)]
+    buffers = [vmem.at[pl.ds(0, size)] for vmem in (vmem_a, vmem_b)]
+    loads = [
+      pltpu.make_async_copy(v, buf, sems.at[i]) for i, (v, buf) in enumerate(zip(views, buffers))
+    ]
+    for load in loads:
+      load.start()
+    for load in loads:
+      load.wait()
+    torus_kernels.add_in_vmem(vmem_a, vmem_b, size)
+    store = pltpu.make_async_copy(buffers[0], views[2], sems.at[2])
+    store.start()
+    store.wait()
+
+  for_each(whole, lambda i: segment(i * block, block))
+  if rest:
+    segment(whole * block, rest)
 
 
-def _step_kernel(
-  axis_name, n, mesh_axes, m, hop, coords_ref, out_in, send_in, recv_in, out_ref, send, recv
+def _start_kernel(
+  kind, axis_name, n, mesh_axes, m, itemsize, coords_ref, x_ref, buffer_ref, send, recv, local
 ):
-  del out_in  # aliased: the same buffer as out_ref
-  ring = _Ring(axis_name, n, mesh_axes, coords_ref, m)
+  ring = _Ring(kind, axis_name, n, mesh_axes, coords_ref, m, itemsize)
+  own = None
+  if kind == "all_gather":
+    own = pltpu.make_async_copy(x_ref, ring.chunk(buffer_ref, ring.position), local)
+    own.start()
   ring.signal_upstream()
-  ring.wait_hop(out_ref, hop - 1, send_in, recv_in)
+  if own is not None:
+    own.wait()
   ring.wait_downstream()
-  # The chunk received at hop - 1 is the one sent at hop.
-  ring.dma(out_ref, ring.sent(hop), send, recv).start()
+  ring.send(x_ref, buffer_ref, 0, send, recv)
 
 
-def _done_kernel(axis_name, n, mesh_axes, m, hop, coords_ref, out_in, send_in, recv_in, out_ref):
-  del out_in
-  ring = _Ring(axis_name, n, mesh_axes, coords_ref, m)
-  ring.wait_hop(out_ref, hop, send_in, recv_in)
+def _continue_kernel(kind, done, axis_name, n, mesh_axes, m, itemsize, hop, coords_ref, *refs):
+  """A step (``done=False``: waits for hop ``hop - 1``, sends hop ``hop``) or the done call
+  (waits for hop ``hop``). Operands: [x,] buffer, send, recv; outputs: buffer[, result]
+  or buffer, send, recv; then the scratch."""
+  ring = _Ring(kind, axis_name, n, mesh_axes, coords_ref, m, itemsize)
+  reduce = kind == "reduce_scatter"
+  if reduce:
+    x_ref, _, send_in, recv_in, *refs = refs
+  else:
+    x_ref = None
+    _, send_in, recv_in, *refs = refs
+  buffer_ref = refs[0]
+  waited = hop if done else hop - 1
+  if not done:
+    ring.signal_upstream()
+  ring.wait_hop(x_ref, buffer_ref, waited, send_in, recv_in, remote=not done)
+  if reduce:
+    *_, vmem_a, vmem_b, sems = refs
+    slot = ring.chunk(buffer_ref, waited)
+    if done:  # the last slot plus the own chunk: the full sum of chunk p
+      result = refs[1]
+      _sum_through_vmem(ring, result, slot, ring.chunk(x_ref, ring.position), vmem_a, vmem_b, sems)
+    else:  # the partial sum this hop sends, in place
+      own_term = ring.chunk(x_ref, ring.received(waited))
+      _sum_through_vmem(ring, slot, slot, own_term, vmem_a, vmem_b, sems)
+  if not done:
+    send, recv = refs[1], refs[2]
+    ring.wait_downstream()
+    ring.send(x_ref, buffer_ref, hop, send, recv)
 
 
-def _params(axis_name: str, n: int, *, barrier: bool = True) -> pltpu.CompilerParams:
-  """The start and step calls use the pattern's barrier semaphore; the done call uses none
+def _params(kind: RingKind, axis_name: str, n: int, *, barrier: bool = True):
+  """Start and step calls use the pattern's barrier semaphore; the done call uses none
   (Mosaic refuses a ``collective_id`` on a kernel that does not use the barrier)."""
-  cid = torus_kernels.collective_id(KIND, (axis_name,), _schedule(n)) if barrier else None
+  cid = (
+    torus_kernels.collective_id(pattern(kind), (axis_name,), _schedule(kind, n))
+    if barrier
+    else None
+  )
   return pltpu.CompilerParams(collective_id=cid, has_side_effects=True)
 
 
-def _cost(m: int, itemsize: int, *, sends: bool, own_copy: bool = False) -> pl.CostEstimate:
-  """One chunk read and written by this call's DMA (if it starts one), and the own copy."""
+def _cost(kind: RingKind, m: int, itemsize: int, call: str) -> pl.CostEstimate:
+  """The HBM bytes each call's DMAs and local copies move (``call`` in start, step, done):
+  a send reads a chunk here and writes one remotely; the all-gather's start copies the own
+  chunk; a reduce-scatter step reads its slot and ``x``'s term and writes the slot, done
+  the same into the result."""
   chunk = m * itemsize
+  sends = call != "done"
+  local = {
+    "all_gather": {"start": 2, "step": 0, "done": 0},
+    "reduce_scatter": {"start": 0, "step": 3, "done": 3},
+  }[kind][call]
+  flops = m if kind == "reduce_scatter" and call != "start" else 0
   return pl.CostEstimate(
-    flops=0,
+    flops=flops,
     transcendentals=0,
-    bytes_accessed=2 * chunk * (int(sends) + int(own_copy)),
+    bytes_accessed=chunk * (2 * int(sends) + local),
     remote_bytes_transferred=chunk if sends else 0,
   )
 
 
-def all_gather_start(
-  x: jax.Array, axis_name: str, n: int, mesh_axes: Sequence[str]
-) -> AllGatherState:
-  """Places the own chunk ``x`` in ``out``, syncs with the ring neighbours and starts hop 0
-  (module doc). ``n`` is the size of ``axis_name``."""
+def _vmem_scratch(m: int, dtype) -> list:
+  block = min(m, ADD_BLOCK_BYTES // jnp.dtype(dtype).itemsize)
+  return [pltpu.VMEM((block,), dtype), pltpu.VMEM((block,), dtype), pltpu.SemaphoreType.DMA((3,))]
+
+
+def ring_start(
+  kind: RingKind, x: jax.Array, axis_name: str, n: int, mesh_axes: Sequence[str]
+) -> RingState:
+  """Syncs with the ring neighbours and starts hop 0 of a ``kind`` phase on ``x`` (module
+  doc). ``n`` is the size of ``axis_name``."""
   mesh_axes = tuple(mesh_axes)
-  m = _check(x, n, axis_name, mesh_axes)
-  kernel = functools.partial(_start_kernel, axis_name, n, mesh_axes, m)
-  out, send, recv = pl.pallas_call(
+  m = chunk_elements(kind, x, n, axis_name, mesh_axes)
+  slots = n if kind == "all_gather" else n - 1
+  itemsize = x.dtype.itemsize
+  kernel = functools.partial(_start_kernel, kind, axis_name, n, mesh_axes, m, itemsize)
+  buffer, send, recv = pl.pallas_call(
     kernel,
-    out_shape=(torus_kernels._hbm_like(x, (n * m,)), _DMA_SEM, _DMA_SEM),
+    out_shape=(torus_kernels._hbm_like(x, (slots * m,)), _DMA_SEM, _DMA_SEM),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
       in_specs=[_ANY],
       out_specs=(_ANY, _SEM, _SEM),
       scratch_shapes=[pltpu.SemaphoreType.DMA(())],
     ),
-    cost_estimate=_cost(m, x.dtype.itemsize, sends=True, own_copy=True),
-    compiler_params=_params(axis_name, n),
-    name=f"async_all_gather_start_{axis_name}",
+    cost_estimate=_cost(kind, m, itemsize, "start"),
+    compiler_params=_params(kind, axis_name, n),
+    name=f"{pattern(kind)}_start_{axis_name}",
   )(torus_kernels.mesh_coordinates(mesh_axes), x)
-  return AllGatherState(out, send, recv, 0, axis_name, n, mesh_axes)
+  source = x if kind == "reduce_scatter" else None
+  return RingState(buffer, source, send, recv, kind, 0, axis_name, n, mesh_axes)
 
 
-def _continue(state: AllGatherState, *, done: bool):
-  n, axis_name, mesh_axes = state.n, state.axis_name, state.mesh_axes
+def _continue(state: RingState, *, done: bool):
+  kind, n, axis_name, mesh_axes = state.kind, state.n, state.axis_name, state.mesh_axes
+  m, dtype = state.chunk, state.buffer.dtype
   hop = state.hop if done else state.hop + 1
+  reduce = kind == "reduce_scatter"
   kernel = functools.partial(
-    _done_kernel if done else _step_kernel, axis_name, n, mesh_axes, state.chunk, hop
+    _continue_kernel, kind, done, axis_name, n, mesh_axes, m, dtype.itemsize, hop
   )
-  out_type = torus_kernels._hbm_like(state.out, state.out.shape)
-  return pl.pallas_call(
+  buffer_type = torus_kernels._hbm_like(state.buffer, state.buffer.shape)
+  outputs = [buffer_type]
+  out_specs = [_ANY]
+  if done and reduce:
+    outputs.append(torus_kernels._hbm_like(state.buffer, (m,)))
+    out_specs.append(_ANY)
+  if not done:
+    outputs += [_DMA_SEM, _DMA_SEM]
+    out_specs += [_SEM, _SEM]
+  operands = ([state.source] if reduce else []) + [state.buffer, state.send, state.recv]
+  result = pl.pallas_call(
     kernel,
-    out_shape=out_type if done else (out_type, _DMA_SEM, _DMA_SEM),
+    out_shape=tuple(outputs),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
-      in_specs=[_ANY, _SEM, _SEM],
-      out_specs=_ANY if done else (_ANY, _SEM, _SEM),
+      in_specs=[_ANY] * (len(operands) - 2) + [_SEM, _SEM],
+      out_specs=tuple(out_specs),
+      scratch_shapes=_vmem_scratch(m, dtype) if reduce else [],
     ),
-    input_output_aliases={1: 0},
-    cost_estimate=_cost(state.chunk, state.out.dtype.itemsize, sends=not done),
-    compiler_params=_params(axis_name, n, barrier=not done),
-    name=f"async_all_gather_{'done' if done else 'step'}_{axis_name}",
-  )(torus_kernels.mesh_coordinates(mesh_axes), state.out, state.send, state.recv)
+    # Operand 0 is the coordinates; the buffer follows the reduce-scatter's x.
+    input_output_aliases={2 if reduce else 1: 0},
+    cost_estimate=_cost(kind, m, dtype.itemsize, "done" if done else "step"),
+    compiler_params=_params(kind, axis_name, n, barrier=not done),
+    name=f"{pattern(kind)}_{'done' if done else 'step'}_{axis_name}",
+  )(torus_kernels.mesh_coordinates(mesh_axes), *operands)
+  if done:
+    return result[1] if reduce else result[0]
+  buffer, send, recv = result
+  return dataclasses.replace(state, buffer=buffer, send=send, recv=recv, hop=hop)
 
 
-def all_gather_step(state: AllGatherState) -> AllGatherState:
+def ring_step(state: RingState) -> RingState:
   """Waits for hop ``state.hop`` and starts the next hop (module doc)."""
   if state.hop + 1 > state.n - 2:
-    raise ValueError(f"hop {state.hop} is the last of {state.n} devices: call all_gather_done")
-  out, send, recv = _continue(state, done=False)
-  return dataclasses.replace(state, out=out, send=send, recv=recv, hop=state.hop + 1)
+    raise ValueError(f"hop {state.hop} is the last of {state.n} devices: call ring_done")
+  return _continue(state, done=False)
 
 
-def all_gather_done(state: AllGatherState) -> jax.Array:
-  """Waits for the last hop; returns the gathered ``[n * m]`` buffer."""
+def ring_done(state: RingState) -> jax.Array:
+  """Waits for the last hop; returns the gathered ``[n * m]`` buffer or the reduced
+  ``[m]`` chunk."""
   if state.hop != state.n - 2:
     raise ValueError(f"hop {state.hop} of {state.n - 1}: {state.n - 2 - state.hop} steps remain")
   return _continue(state, done=True)
 
 
-def pin(state: AllGatherState, values):
+def pin(state, values):
   """``(state, values)`` through one ``lax.optimization_barrier``: what comes out of it is
-  ready only once ``state.out`` (the last call's output) and every one of ``values`` are.
-  XLA orders the calls and other compute by data dependencies alone; compute whose
-  operands come out of a ``pin`` with the state runs after the call that produced the
-  state, and a call that takes the state out of a ``pin`` with the compute's results runs
-  after that compute (the async note's remedy). Only the buffer goes through the barrier:
-  the next call takes it, so that orders the call too."""
-  out, values = lax.optimization_barrier((state.out, values))
-  return dataclasses.replace(state, out=out), values
+  ready only once the state's buffer (the last call's output; or the array a done call
+  returned) and every one of ``values`` are. XLA orders the calls and other compute by
+  data dependencies alone; compute whose operands come out of a ``pin`` with the state
+  runs after the call that produced the state, and a call that takes the state out of a
+  ``pin`` with the compute's results runs after that compute (the async note's remedy).
+  Only the buffer goes through the barrier: the next call takes it, so that orders the
+  call too."""
+  if isinstance(state, RingState):
+    buffer, values = lax.optimization_barrier((state.buffer, values))
+    return dataclasses.replace(state, buffer=buffer), values
+  return lax.optimization_barrier((state, values))
 
 
-def ring_all_gather(
+def ring_phase(
+  kind: RingKind,
   x: jax.Array,
   axis_name: str,
   n: int,
@@ -319,16 +484,16 @@ def ring_all_gather(
   between: Callable[..., object] | None = None,
   operands=(),
 ):
-  """``lax.all_gather(x, axis_name, tiled=True)`` as start, ``n - 2`` steps and done.
+  """One ``kind`` phase as start, ``n - 2`` steps and done.
 
   ``between(i, *operands)``, if given, runs after the ``i``-th call (``i`` in
   ``0 .. n - 2``) and before the next one, while hop ``i`` is on the link: ``operands`` go
   through a ``pin`` with the state after the call, and the hook's result through a ``pin``
   with the state before the next, so XLA cannot move the compute out of the window.
-  Returns the gathered buffer, or ``(buffer, results)`` with the hook's ``n - 1`` results
-  when ``between`` is given.
+  Returns the result, or ``(result, results)`` with the hook's ``n - 1`` results when
+  ``between`` is given.
   """
-  state = all_gather_start(x, axis_name, n, mesh_axes)
+  state = ring_start(kind, x, axis_name, n, mesh_axes)
   results = []
   for i in range(n - 1):
     if between is not None:
@@ -336,6 +501,6 @@ def ring_all_gather(
       state, result = pin(state, between(i, *ready))
       results.append(result)
     if i < n - 2:
-      state = all_gather_step(state)
-  out = all_gather_done(state)
+      state = ring_step(state)
+  out = ring_done(state)
   return out if between is None else (out, tuple(results))

@@ -28,6 +28,7 @@ import math
 import warnings
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
@@ -221,3 +222,15 @@ def parametrized_implementations(test) -> set[str]:
         values = getattr(param, "values", param)
         found.add(values if isinstance(values, str) else values[0])
   return found
+
+
+def pallas_calls(jaxpr):
+  """Every ``pallas_call`` equation of ``jaxpr`` and of its sub-jaxprs, in program order."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        sub = getattr(sub, "jaxpr", sub)
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          yield from pallas_calls(sub)

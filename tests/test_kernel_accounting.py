@@ -52,21 +52,10 @@ from torus_collectives.norm.block_sizes import BlockSizes
 pytestmark = pytest.mark.interpret
 
 
-def _pallas_calls(jaxpr):
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
-      yield eqn
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (list, tuple)) else [param]:
-        sub = getattr(sub, "jaxpr", sub)
-        if isinstance(sub, jax.extend.core.Jaxpr):
-          yield from _pallas_calls(sub)
-
-
 def declared(fn, *args) -> list[tuple[str, pl.CostEstimate]]:
   """(name, cost estimate) of every pallas_call ``fn`` traces, in program order."""
   jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-  return [(e.params["name"], e.params["cost_estimate"]) for e in _pallas_calls(jaxpr)]
+  return [(e.params["name"], e.params["cost_estimate"]) for e in harness.pallas_calls(jaxpr)]
 
 
 def counted(mode: str, fn, *args):
