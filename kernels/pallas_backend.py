@@ -68,7 +68,12 @@ from torus_collectives import schedule as schedule_lib
 from torus_collectives import target
 from torus_collectives._vma import ensure_varying
 from torus_collectives.configs import LANES, KernelConfig
-from torus_collectives.kernels import buffer_layout, quantized_kernels, torus_kernels
+from torus_collectives.kernels import (
+  buffer_layout,
+  quantized_kernels,
+  split_collectives,
+  torus_kernels,
+)
 from torus_collectives.layout import accumulation_dtype, ceil_div, pad_chunks, pad_to
 
 
@@ -261,3 +266,17 @@ def all_reduce(
   acc = plan.run_reduce_scatter(x.astype(work), plan.chunk_elements)
   # float32_partials: round the sums, then gather them.
   return plan.run_all_gather(acc.astype(x.dtype), n, plan.chunk_elements)
+
+
+def split_all_reduce(x: jax.Array, axes: Sequence[str], torus: Sequence[int]):
+  """``[n] -> [n]`` as a ``split_collectives.SplitCollective`` (issued one call at a time):
+  ``x`` zero-padded to whole DMA words per device, the padding cut off again by
+  ``finish``. 32-bit types and 16-bit floats; bfloat16 travels as bfloat16."""
+  _check(x, axes, torus)
+  mesh_axes, _ = _target()
+  n = x.size
+  padded = split_collectives.padded_elements(n, torus, x.dtype.itemsize)
+  flat = ensure_varying(jnp.pad(x, (0, padded - n)), tuple(axes))
+  return split_collectives.SplitCollective(
+    "all_reduce", flat, list(zip(axes, torus)), mesh_axes, result_elements=n
+  )

@@ -57,6 +57,7 @@ def _phases(collective: Collective, axes) -> list[tuple[str, str, int]]:
 class SplitCollective:
   """One collective as a queue of Pallas calls (module doc).
 
+  ``result_elements``: the length ``finish`` returns, where ``x`` was padded.
   ``advance()`` issues the next call, ``pin(values)`` ties ``values`` to the sequence
   where it stands (what comes out is ready only after the last issued call, and the next
   call waits for it), ``finish()`` issues every call left and returns the result. The
@@ -67,10 +68,16 @@ class SplitCollective:
   """
 
   def __init__(
-    self, collective: Collective, x: jax.Array, axes: Sequence[tuple[str, int]], mesh_axes
+    self,
+    collective: Collective,
+    x: jax.Array,
+    axes: Sequence[tuple[str, int]],
+    mesh_axes,
+    result_elements: int | None = None,
   ):
     self.collective = collective
     self.mesh_axes = tuple(mesh_axes)
+    self.result_elements = result_elements
     self._value = x
     self._calls: list[Callable] = []
     for kind, name, n in _phases(collective, axes):
@@ -118,10 +125,11 @@ class SplitCollective:
     return values
 
   def finish(self) -> jax.Array:
-    """Issues every call left; returns the collective's result."""
+    """Issues every call left; returns the collective's result (its first
+    ``result_elements`` elements, if given: the length before padding)."""
     while self._calls:
       self.advance()
-    return self._value
+    return self._value if self.result_elements is None else self._value[: self.result_elements]
 
 
 def run(

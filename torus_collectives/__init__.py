@@ -6,7 +6,9 @@ This module is the public API. The layout, top to bottom (each layer imports onl
 below it):
 
 * the ops: ``collectives`` (psum, pmean, psum_scatter, all_gather), ``gradients``
-  (``all_reduce_gradients``), ``norm`` (batch norm), ``weight_update`` (``sharded_update``);
+  (``all_reduce_gradients``), ``overlap`` (``value_and_summed_grad``: the summation
+  threaded through the backward pass, on ``inlining``), ``norm`` (batch norm),
+  ``weight_update`` (``sharded_update``);
 * ``registry``: the backends as data and the one ``resolve`` that picks one per call;
   ``tuning``, what "auto" measured and the tuner that measures it;
 * the implementations: ``backends`` (portable) and ``kernels`` (Pallas, loaded only when
@@ -44,6 +46,7 @@ from torus_collectives.gradients import all_reduce_gradients
 from torus_collectives.groups import resolve_tile
 from torus_collectives.norm.batch_norm import batch_norm
 from torus_collectives.norm.block_sizes import BlockSizes
+from torus_collectives.overlap import value_and_summed_grad
 from torus_collectives.quantization import BlockScaled
 from torus_collectives.registry import (
   IMPLEMENTATIONS,
@@ -81,6 +84,7 @@ __all__ = [
   "scale_by_trust_ratio",
   "schedule",
   "sharded_update",
+  "value_and_summed_grad",
 ]
 
 # Names that need optax: module each lives in, imported on first access.

@@ -57,7 +57,7 @@ import functools
 import math
 import typing
 from collections.abc import Callable, Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +89,10 @@ class CollectiveBackend:
   reduce_scatter: Callable[..., jax.Array]
   all_gather: Callable[..., jax.Array]
   all_reduce: Callable[..., jax.Array]
+  # ``(x, axes, torus) ->`` a split all-reduce issued one call at a time (``advance``,
+  # ``pin``, ``finish``, ``calls_left``: ``kernels.split_collectives.SplitCollective``), for
+  # threading through the backward pass (``overlap``); None where the backend has none.
+  split_all_reduce: Callable[..., Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +164,9 @@ def _load_lax_torus() -> CollectiveBackend:
 def _load_pallas() -> CollectiveBackend:
   from torus_collectives.kernels import pallas_backend as impl
 
-  return CollectiveBackend(impl.reduce_scatter, impl.all_gather, impl.all_reduce)
+  return CollectiveBackend(
+    impl.reduce_scatter, impl.all_gather, impl.all_reduce, split_all_reduce=impl.split_all_reduce
+  )
 
 
 def _load_pallas_batch_norm() -> Passes:
@@ -674,9 +680,11 @@ def collective_backend(name: str, config: KernelConfig | None = None) -> Collect
   functions = backend.load_collectives()
   if not backend.pallas_kernels:
     return functions
-  return CollectiveBackend(
-    *(functools.partial(fn, config=config) for fn in dataclasses.astuple(functions))
-  )
+  tuned = {
+    op: functools.partial(getattr(functions, op), config=config)
+    for op in ("reduce_scatter", "all_gather", "all_reduce")
+  }
+  return dataclasses.replace(functions, **tuned)
 
 
 def batch_norm_passes(name: str) -> Passes:

@@ -53,8 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from torus_collectives import _jax_internals as jax_internals
-from torus_collectives._vma import ensure_varying, vma_checked
+from torus_collectives import inlining
+from torus_collectives._vma import ensure_varying
 from torus_collectives.axes import names as axis_names
 from torus_collectives.layout import ceil_div, pad_to
 
@@ -72,11 +72,6 @@ ELEMENTWISE = frozenset(
 )
 # Identity on values; present only for sharding or vma bookkeeping.
 PASS_THROUGH = frozenset({"reshard", "pvary", "pcast", "sharding_constraint"})
-# Calls whose body is inlined, so its reductions batch with the caller's.
-CALLS = frozenset(
-  {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "checkpoint"}
-)
-CALL_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # Full reductions: (kind of completing collective, local reduction, identity of the padding).
 REDUCTIONS: dict[str, tuple[str, Callable, Callable]] = {
   "reduce_sum": ("sum", jnp.sum, lambda dtype: jnp.zeros((), dtype)),
@@ -181,65 +176,6 @@ class _Deferred:
   shape: tuple[int, ...]  # the result's shape (all ones: keepdims)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Eqn:
-  """An equation of the inlined jaxpr: keys of its operands and results."""
-
-  eqn: Any  # the original JaxprEqn
-  ins: tuple[Any, ...]  # int keys, or _Literal
-  outs: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Literal:
-  value: Any
-
-
-def _inline(jaxpr, consts, in_atoms, counter, constants) -> tuple[list[_Eqn], list[Any]]:
-  """``jaxpr``'s equations with calls inlined and every variable renamed to a fresh key."""
-  env: dict[Any, Any] = {}
-
-  def read(atom):
-    return _Literal(atom.val) if isinstance(atom, jax_internals.Literal) else env[atom]
-
-  for var, value in zip(jaxpr.constvars, consts):
-    key = next(counter)
-    constants[key] = value
-    env[var] = key
-  for var, atom in zip(jaxpr.invars, in_atoms):
-    env[var] = atom
-  eqns: list[_Eqn] = []
-  for eqn in jaxpr.eqns:
-    ins = [read(a) for a in eqn.invars]
-    inner = _call_body(eqn)
-    if inner is not None:
-      body, body_consts = inner
-      inner_eqns, inner_outs = _inline(body, body_consts, ins, counter, constants)
-      eqns += inner_eqns
-      for var, atom in zip(eqn.outvars, inner_outs):
-        env[var] = atom
-      continue
-    outs = tuple(next(counter) for _ in eqn.outvars)
-    for var, key in zip(eqn.outvars, outs):
-      env[var] = key
-    eqns.append(_Eqn(eqn, tuple(ins), outs))
-  return eqns, [read(a) for a in jaxpr.outvars]
-
-
-def _call_body(eqn):
-  """(jaxpr, consts) of a call to inline, or None."""
-  if eqn.primitive.name not in CALLS:
-    return None
-  for name in CALL_JAXPR_PARAMS:
-    body = eqn.params.get(name)
-    if body is None:
-      continue
-    if isinstance(body, jax_internals.Jaxpr):  # closed: jax 0.12 has one class for both
-      return body.jaxpr, body.consts
-    return body, ()
-  return None
-
-
 @dataclasses.dataclass
 class Interpreter:
   """Evaluates jaxprs on ``Sharded``/replicated values over ``shards`` (see module doc).
@@ -254,14 +190,18 @@ class Interpreter:
     counter = itertools.count()
     constants: dict[int, Any] = {}
     in_keys = [next(counter) for _ in args]
-    eqns, outs = _inline(closed_jaxpr.jaxpr, closed_jaxpr.consts, in_keys, counter, constants)
+    eqns, outs = inlining.inline(
+      closed_jaxpr.jaxpr, closed_jaxpr.consts, in_keys, counter, constants
+    )
     env: dict[Any, Value] = {**constants, **dict(zip(in_keys, args))}
     deferred: dict[int, _Deferred] = {}
     remaining = eqns
     while remaining:
       blocked = []
       for item in remaining:
-        if any(not isinstance(a, _Literal) and (a in deferred or a not in env) for a in item.ins):
+        if any(
+          not isinstance(a, inlining.Literal) and (a in deferred or a not in env) for a in item.ins
+        ):
           blocked.append(item)
           continue
         results = self._apply(item.eqn, [self._read(env, a) for a in item.ins])
@@ -279,7 +219,7 @@ class Interpreter:
 
   @staticmethod
   def _read(env, atom) -> Value:
-    return atom.value if isinstance(atom, _Literal) else env[atom]
+    return atom.value if isinstance(atom, inlining.Literal) else env[atom]
 
   def _complete(self, deferred: dict[int, _Deferred], env) -> None:
     """Issues one collective per kind and dtype for every deferred reduction."""
@@ -355,12 +295,12 @@ class Interpreter:
       return [Uniform(jnp.reshape(replicated(operands[0]), ()), out_shapes[0])]
     if name in ELEMENTWISE and all(isinstance(v, Uniform) or np.ndim(v) == 0 for v in operands):
       scalars = [v.scalar if isinstance(v, Uniform) else v for v in operands]
-      scalar = _bind(eqn.primitive, scalars, eqn.params)
+      scalar = inlining.bind(eqn.primitive, scalars, eqn.params)
       if any(isinstance(v, Uniform) for v in operands):
         return [Uniform(scalar, out_shapes[0])]
       return [scalar]
     params = eqn.primitive.get_bind_params(eqn.params)
-    out = _bind(eqn.primitive, list(map(replicated, operands)), params)
+    out = inlining.bind(eqn.primitive, list(map(replicated, operands)), params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
   def _elementwise(self, eqn, operands, shape, origin) -> Sharded:
@@ -372,7 +312,7 @@ class Interpreter:
         locals_.append(v)
       else:
         locals_.append(self.shards.cut(v, shape).local)
-    return Sharded(_bind(eqn.primitive, locals_, eqn.params), shape, origin)
+    return Sharded(inlining.bind(eqn.primitive, locals_, eqn.params), shape, origin)
 
   def _defer(self, name: str, value: Sharded, out_shape) -> _Deferred:
     kind, local_reduce, identity = REDUCTIONS[name]
@@ -424,16 +364,6 @@ class Interpreter:
 
     fns = [lambda values, b=b: unify(run_branch(b, values)) for b in branches]
     return lax.switch(replicated(index), fns, args)
-
-
-def _bind(primitive, operands, params):
-  """``primitive.bind`` with the operands' varying axes made equal, as jnp's functions do
-  implicitly (a bare ``bind`` inside ``shard_map(check_vma=True)`` requires it)."""
-  if vma_checked():
-    operands = [jnp.asarray(v) for v in operands]  # literals too
-    axes = tuple(sorted(set().union(*(jax.typeof(v).mat.varying for v in operands))))
-    operands = [ensure_varying(v, axes) for v in operands]
-  return primitive.bind(*operands, **params)
 
 
 def _axes_of(eqn) -> tuple:

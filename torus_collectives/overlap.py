@@ -1,0 +1,212 @@
+"""Gradient summation threaded through the backward pass: ``value_and_summed_grad``.
+
+``all_reduce_gradients`` receives a finished gradient, so each bucket's collective can at
+best be scheduled by XLA; a Pallas kernel call holds the TensorCore from its first DMA to
+its last, and XLA places all of them after the backward pass (the whole transfer is
+exposed). Here the backward pass itself is re-run equation by equation with the
+collectives woven in, using the split kernels (``kernels.split_collectives``: a start,
+per-hop steps and a done per ring phase, each a separate Pallas call that returns while
+its DMAs are on the link):
+
+1. ``jax.value_and_grad(fun)`` is traced to a jaxpr, and its calls (jit, custom_vjp, ...)
+   are inlined (``inlining``), so every convolution and matmul of the backward pass is one
+   equation of one flat program.
+2. The gradient leaves are grouped into buckets exactly as ``all_reduce_gradients`` groups
+   them (``packing.buckets_by_size``, in the order the program computes them: last layers
+   first).
+3. The equations are evaluated in program order. As soon as the equation that produces a
+   bucket's last leaf has run, the bucket is packed into one flat buffer and its split
+   all-reduce is started (its first call issued).
+4. Around every *heavy* equation (``HEAVY``: a convolution or a matmul) while collectives
+   are in flight, the equation's operands pass through an optimization barrier with each
+   in-flight buffer (so it runs after the last call issued), its results through another
+   (so the next call waits for it), and then every in-flight collective issues its next
+   call. So each window between two calls of a collective holds one backward
+   convolution's work: XLA cannot move it out, because the barriers are data
+   dependencies (the async note's remedy; ``async_torus.pin``).
+5. After the last equation, every collective still in flight issues the calls it has
+   left; the sums are unpacked, scaled (``mean``) and cast back to the leaves' dtypes.
+
+The result is that of ``jax.value_and_grad(fun)`` followed by
+``all_reduce_gradients(grads, axis_name, mean=mean, bucket_bytes=bucket_bytes,
+implementation=implementation)``: the same buckets, summed by the same ring algorithm in
+float32 adds (the blocking kernels' torus schedule splits each chunk over streams, the
+split one does not, so float sums may round differently; integers are exact in both).
+
+Assumptions and limits:
+
+* ``implementation`` must have split collectives (``registry.CollectiveBackend
+  .split_all_reduce``: today "pallas"). Any other implementation is run as
+  ``value_and_grad`` followed by ``all_reduce_gradients``, unchanged (XLA's collectives are
+  scheduled by XLA: ``torus_collectives.xla_settings``).
+* Only the default transport (the leaves' own dtype); ``transport_dtype`` and error
+  feedback go through ``all_reduce_gradients``.
+* Heavy equations inside a loop (``scan``, ``while``) or a ``cond`` are one equation here:
+  a scanned model's backward pass gives one window, not one per layer.
+* Every device must issue the calls in one order: one program under ``shard_map`` does;
+  the pins chain all in-flight collectives, so even a runtime that runs independent ops
+  concurrently (the CPU interpreter) keeps that order.
+* Nothing here has run on a TPU: the threading is verified in TPU interpret mode (exact on
+  integers against ``lax.psum`` of ``jax.grad``) and its schedule on ahead-of-time compiles.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from torus_collectives import axes, inlining, packing, registry
+from torus_collectives._vma import ensure_varying, mark_invariant
+from torus_collectives.collectives import AxisName
+from torus_collectives.gradients import (
+  DEFAULT_BUCKET_BYTES,
+  GRADIENT_SCOPE,
+  all_reduce_gradients,
+)
+
+# The equations whose work a window between two collective calls holds: the backward
+# pass's convolutions and matmuls (everything else is cheap beside them).
+HEAVY = frozenset({"conv_general_dilated", "dot_general"})
+
+
+def value_and_summed_grad(
+  fun: Callable,
+  axis_name: AxisName,
+  *,
+  mean: bool = True,
+  bucket_bytes: int | None = None,
+  implementation: str = "pallas",
+  has_aux: bool = False,
+) -> Callable:
+  """``jax.value_and_grad(fun, has_aux=has_aux)`` whose gradient comes back summed
+  (``mean=False``) or averaged over ``axis_name``, each bucket's summation overlapping the
+  rest of the backward pass (module doc). Call the returned function inside the
+  ``shard_map`` over ``axis_name``; it differentiates with respect to the first argument.
+  """
+  grad_fn = jax.value_and_grad(fun, has_aux=has_aux)
+
+  def run(params, *args):
+    registry.check_name(implementation)
+    if implementation == "auto" or registry.runs_lax(implementation):
+      split_all_reduce = None
+    else:
+      split_all_reduce = registry.collective_backend(implementation).split_all_reduce
+    if split_all_reduce is None:
+      value, grads = grad_fn(params, *args)
+      return value, all_reduce_gradients(
+        grads, axis_name, mean=mean, bucket_bytes=bucket_bytes, implementation=implementation
+      )
+    names = axes.names(axis_name)
+    sizes = tuple(lax.axis_size(a) for a in names)
+    closed, (value_shapes, grad_shapes) = jax.make_jaxpr(grad_fn, return_shape=True)(params, *args)
+    grad_leaves, grad_tree = jax.tree.flatten(grad_shapes)
+    threaded = _Threaded(split_all_reduce, names, sizes, bucket_bytes or DEFAULT_BUCKET_BYTES)
+    value_leaves, summed = threaded.run(closed, jax.tree.leaves((params, *args)), grad_leaves)
+    scale = 1.0 / math.prod(sizes) if mean else 1.0
+    grads = [
+      (s.astype(jnp.float32) * scale).astype(leaf.dtype) for s, leaf in zip(summed, grad_leaves)
+    ]
+    value = jax.tree.unflatten(jax.tree.structure(value_shapes), value_leaves)
+    return value, jax.tree.unflatten(grad_tree, grads)
+
+  return run
+
+
+class _Threaded:
+  """The re-evaluation of one traced ``value_and_grad`` with summation woven in."""
+
+  def __init__(self, split_all_reduce, names, sizes, bucket_bytes: int):
+    self.split_all_reduce, self.names, self.sizes = split_all_reduce, names, sizes
+    self.bucket_bytes = bucket_bytes
+    self.in_flight: list[tuple[list[int], Any]] = []  # (leaf indices, SplitCollective)
+
+  def run(self, closed, flat_args, grad_leaves) -> tuple[list, list[jax.Array]]:
+    """(the value's leaves, the summed gradient leaves, flat) of the traced program."""
+    counter = itertools.count()
+    constants: dict[int, Any] = {}
+    in_keys = [next(counter) for _ in flat_args]
+    eqns, outs = inlining.inline(closed.jaxpr, closed.consts, in_keys, counter, constants)
+    env: dict[Any, Any] = {**constants, **dict(zip(in_keys, flat_args))}
+    split_at = len(outs) - len(grad_leaves)
+    value_atoms, grad_atoms = outs[:split_at], outs[split_at:]
+    produced_at = {key: position for position, item in enumerate(eqns) for key in item.outs}
+    where = [produced_at.get(a, -1) if isinstance(a, int) else -1 for a in grad_atoms]
+    order = sorted(range(len(grad_atoms)), key=lambda i: (where[i], i))
+    buckets = packing.buckets_by_size(grad_leaves, self.bucket_bytes, order)
+    # The position of the equation after which each bucket's last leaf exists (-1: before any).
+    ready_after = [max(where[i] for i in bucket) for bucket in buckets]
+
+    def gradient(i):
+      return _read(env, grad_atoms[i])
+
+    self._start_ready(buckets, ready_after, -1, gradient)
+    for position, item in enumerate(eqns):
+      operands = [_read(env, atom) for atom in item.ins]
+      heavy = item.eqn.primitive.name in HEAVY and self.in_flight
+      if heavy:
+        operands = self._pin(operands)
+      results = _evaluate(item.eqn, operands)
+      if heavy:
+        results = self._pin(results)
+        self._advance()
+      env.update(zip(item.outs, results))
+      self._start_ready(buckets, ready_after, position, gradient)
+    summed: dict[int, jax.Array] = {}
+    with jax.named_scope(GRADIENT_SCOPE):
+      for bucket, split in self.in_flight:
+        sizes = [math.prod(grad_leaves[i].shape) for i in bucket]
+        parts = packing.unpack(split.finish(), sizes)
+        summed.update(zip(bucket, parts))
+    reduced = [
+      mark_invariant(summed[i].reshape(leaf.shape), self.names)
+      for i, leaf in enumerate(grad_leaves)
+    ]
+    return [_read(env, a) for a in value_atoms], reduced
+
+  def _start_ready(self, buckets, ready_after, position, gradient) -> None:
+    """Starts the split all-reduce of every bucket whose last leaf ``position`` produced."""
+    for bucket, ready in zip(buckets, ready_after):
+      if ready != position:
+        continue
+      with jax.named_scope(GRADIENT_SCOPE):
+        leaves = [jnp.asarray(gradient(i)).reshape(-1) for i in bucket]
+        flat = ensure_varying(packing.pack(leaves), self.names)
+        split = self.split_all_reduce(flat, self.names, self.sizes)
+        if split.calls_left:
+          split.advance()
+      self.in_flight.append((bucket, split))
+
+  def _pin(self, values):
+    """``values`` (their traced arrays; literals pass) through a barrier with each
+    in-flight collective, in the order they started."""
+    traced = [i for i, v in enumerate(values) if isinstance(v, jax.Array)]
+    pinned = [values[i] for i in traced]
+    for _, split in self.in_flight:
+      if split.calls_left:
+        pinned = split.pin(pinned)
+    values = list(values)
+    for i, v in zip(traced, pinned):
+      values[i] = v
+    return values
+
+  def _advance(self) -> None:
+    with jax.named_scope(GRADIENT_SCOPE):
+      for _, split in self.in_flight:
+        if split.calls_left:
+          split.advance()
+
+
+def _read(env, atom):
+  return atom.value if isinstance(atom, inlining.Literal) else env[atom]
+
+
+def _evaluate(eqn, operands) -> list:
+  params = eqn.primitive.get_bind_params(eqn.params)
+  out = inlining.bind(eqn.primitive, operands, params)
+  return list(out) if eqn.primitive.multiple_results else [out]
