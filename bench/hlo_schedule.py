@@ -16,7 +16,13 @@ one step on one chip:
   for its whole time;
 * an asynchronous pair (``X-start`` ... ``X-done``, including XLA's
   ``async-collective-start``/``-done`` fusions) starts its transfer at the start and, at
-  the done, waits only for what the compute scheduled between them did not cover.
+  the done, waits only for what the compute scheduled between them did not cover;
+* a split collective (``torus_collectives.kernels.split_collectives``: Pallas calls named
+  ``async_<kind>_<start|step|done>_<axis>``, each handing its buffer to the next) is a
+  chain of such windows: each call but the done starts one ring hop's transfer, the next
+  call of its chain waits for what the compute between them did not cover, and each call
+  itself holds the TensorCore for its estimated cycles. The chain, over all its phases
+  (a done's result is the next phase's start's input), is one row.
 
 Everything here is a compiler estimate combined with a model: no figure is measured.
 """
@@ -50,6 +56,21 @@ _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
 _GROUPS = re.compile(r"replica_groups=mesh\[[^\]]*\] \{([^}]*)\}")
 _COLLECTIVE = re.compile(r" (" + "|".join(COLLECTIVE_OPCODES) + r")(?:-start)?\(")
+_SPLIT_CALL = re.compile(r"async_(all_gather|reduce_scatter)_(start|step|done)_(\w+?)(?:/|$)")
+
+
+def is_convolution(op: Op) -> bool:
+  """A convolution: XLA's opcode, or a fusion of jax's ``conv_general_dilated``."""
+  return op.opcode == "convolution" or "conv_general_dilated" in op.op_name
+
+
+def split_call(op: Op) -> tuple[str, str, str] | None:
+  """``(kind, call, axis)`` of a split collective's Pallas call (``"reduce_scatter",
+  "step", "x"``), from its jax ``op_name``; None for any other op."""
+  if op.kind != "pallas":
+    return None
+  found = _SPLIT_CALL.search(op.op_name)
+  return found.groups() if found else None
 
 
 def implied_clock(cycles: float, flops: float, peak_flops: float) -> float:
@@ -289,7 +310,7 @@ def timeline(
   price: Callable[[Op, int], float],
   *,
   counts: Callable[[Op], bool] = lambda op: True,
-  is_convolution: Callable[[Op], bool] = lambda op: "conv" in op.op_name,
+  is_convolution: Callable[[Op], bool] = is_convolution,
 ) -> Timeline:
   """The step's timeline (module doc). ``price(op, nbytes)`` is a collective's modelled
   seconds, ``nbytes`` what it reduces or gathers per device; ``counts(op)`` selects the
@@ -299,9 +320,12 @@ def timeline(
   now = busy = 0.0
   in_flight: dict[str, tuple[float, float, float, int, int]] = {}  # start, busy, T, bytes, i
   rows, others = [], []
+  hops = _SplitHops(ops, by_name)
   for i, op in enumerate(ops):
     kind = op.kind
-    if kind in ("sync", "pallas"):
+    if split_call(op) is not None:
+      now = hops.call(op, i, now, busy, price, clock_hz)
+    elif kind in ("sync", "pallas"):
       nbytes = _collective_bytes(op, by_name)
       seconds = price(op, nbytes)
       row = CollectiveRow(op.name, kind, nbytes, seconds, 0.0, seconds, i > last_conv)
@@ -324,4 +348,140 @@ def timeline(
       seconds = op.cycles / clock_hz
       now += seconds
       busy += seconds
+  for chain in hops.chains:
+    row = CollectiveRow(
+      chain.name, "split", chain.nbytes, chain.modelled_s, chain.covered_s, chain.exposed_s,
+      chain.first_index > last_conv,
+    )  # fmt: skip
+    (rows if counts(by_name[chain.name]) else others).append(row)
   return Timeline(tuple(rows), busy, tuple(others), now)
+
+
+@dataclasses.dataclass
+class _Chain:
+  """One split collective's calls, summed: its hops' modelled, covered and exposed time."""
+
+  name: str  # its first call
+  first_index: int
+  nbytes: int = 0  # its first call's operands: the bucket (and the small coordinates)
+  modelled_s: float = 0.0
+  covered_s: float = 0.0
+  exposed_s: float = 0.0
+
+
+_PASSING = frozenset({"get-tuple-element", "bitcast"})
+_BUCKET = re.compile(r"/(bucket_[0-9]+)/")
+
+
+def split_chains(ops: list[Op]) -> list[list[int]]:
+  """Each split collective's calls, as indices into ``ops`` in schedule order. Within a
+  named ``bucket_<k>`` scope (the threaded gradient summation's), the calls of that scope:
+  the calls of one chain depend on each other, so the schedule keeps their order, and a
+  chain spans all its phases. Otherwise each call joins the chain of the call that
+  produced its buffer operand, and a start begins a chain (one per phase)."""
+  by_name = {op.name: op for op in ops}
+  chains: list[list[int]] = []
+  chain_of: dict[str, list[int]] = {}  # a call's name, or a bucket scope -> its chain
+  for i, op in enumerate(ops):
+    split = split_call(op)
+    if split is None:
+      continue
+    kind, call, _ = split
+    bucket = _BUCKET.search(op.op_name)
+    if bucket is not None:
+      key = bucket.group(1)
+    elif call == "start":
+      key = None
+    else:
+      key = op.operands[2 if kind == "reduce_scatter" else 1]
+      while key in by_name and by_name[key].opcode in _PASSING:
+        key = by_name[key].operands[0]
+    chain = chain_of.get(key)
+    if chain is None:
+      chain = []
+      chains.append(chain)
+      if bucket is not None:
+        chain_of[key] = chain
+    chain.append(i)
+    chain_of[op.name] = chain
+  return chains
+
+
+def is_backward_convolution(op: Op) -> bool:
+  """A convolution of the backward pass: jax names those ``transpose(jvp(...))``."""
+  return is_convolution(op) and "transpose(" in op.op_name
+
+
+def split_schedule_problems(ops: list[Op]) -> list[str]:
+  """What breaks a threaded summation's compiled schedule (empty when nothing does):
+
+  * a chain started before the last backward convolution that has none between its
+    first call and its last (the one started after it has nothing left to overlap);
+  * a step or done whose buffer operand is not the previous call's output in place
+    (through get-tuple-element and bitcast only: anything else would copy a buffer
+    that DMAs are writing);
+  * calls out of order: a start before the previous phase's done, a step or done after
+    a call of another phase."""
+  by_name = {op.name: op for op in ops}
+  backward = [i for i, op in enumerate(ops) if is_backward_convolution(op)]
+  problems = []
+  for calls in split_chains(ops):
+    first, last = ops[calls[0]].name, calls[-1]
+    if backward and calls[0] < backward[-1]:
+      if not any(calls[0] < i < last for i in backward):
+        problems.append(f"{first}: no backward convolution between its first and last call")
+    for before, index in zip(calls, calls[1:]):
+      kind, call, axis = split_call(ops[index])
+      _, call_before, axis_before = split_call(ops[before])
+      if call == "start":
+        if call_before != "done":
+          problems.append(f"{ops[index].name} starts before {ops[before].name} is done")
+        continue
+      if call_before == "done" or axis != axis_before:
+        problems.append(f"{ops[index].name} follows {ops[before].name}")
+        continue
+      operand = ops[index].operands[2 if kind == "reduce_scatter" else 1]
+      while operand in by_name and by_name[operand].opcode in _PASSING:
+        operand = by_name[operand].operands[0]
+      if operand != ops[before].name:
+        problems.append(f"{ops[index].name} takes its buffer from {operand}, not in place")
+  return problems
+
+
+class _SplitHops:
+  """The windows of split collectives on the timeline (module doc)."""
+
+  def __init__(self, ops: list[Op], by_name: dict[str, Op]):
+    self.by_name = by_name
+    self.chains: list[_Chain] = []
+    self.previous: dict[int, int | None] = {}  # call index -> its chain's call before it
+    self.chain_at: dict[int, _Chain] = {}
+    for calls in split_chains(ops):
+      first = ops[calls[0]]
+      chain = _Chain(first.name, calls[0], nbytes=_collective_bytes(first, by_name))
+      self.chains.append(chain)
+      for before, index in zip([None, *calls], calls):
+        self.previous[index], self.chain_at[index] = before, chain
+    self.window: dict[int, tuple[float, float, float]] = {}  # call -> (began, busy, T)
+
+  def call(self, op: Op, index: int, now: float, busy: float, price, clock_hz) -> float:
+    """Closes the window ``op`` waits on, opens its own; returns the new time."""
+    _, call, _ = split_call(op)
+    chain, previous = self.chain_at[index], self.previous[index]
+    if previous in self.window:
+      began, busy_then, seconds = self.window.pop(previous)
+      finish = max(now, began + seconds)
+      chain.modelled_s += seconds
+      chain.covered_s += busy - busy_then
+      chain.exposed_s += finish - now
+      now = finish
+    now += (op.cycles or 0) / clock_hz  # the call's own work on the TensorCore
+    if call != "done":
+      self.window[index] = (now, busy, price(op, _first_array_bytes(op.result)))
+    return now
+
+
+def _first_array_bytes(result: str) -> int:
+  """Bytes of the first array of a result (a call's buffer, before its semaphores)."""
+  found = _ARRAY.search(result)
+  return shape_bytes(found.group(0)) if found else 0

@@ -40,13 +40,14 @@ from torus_collectives import cost_model, xla_settings
 from torus_collectives.gradients import GRADIENT_SCOPE, WEIGHT_GATHER_SCOPE
 
 ROWS = {
-  # label: (implementation, weight-update sharding, XLA settings)
-  "xla, default flags": ("xla", False, "default"),
-  "xla, package settings": ("xla", False, "package"),
-  "lax_torus, package settings": ("lax_torus", False, "package"),
-  "pallas (blocking kernels)": ("pallas", False, "package"),
-  "weight-update sharding, deferred gather": ("auto", True, "package"),
-  "weight-update sharding, default flags": ("auto", True, "default"),
+  # label: (implementation, weight-update sharding, XLA settings, summation threaded)
+  "xla, default flags": ("xla", False, "default", False),
+  "xla, package settings": ("xla", False, "package", False),
+  "lax_torus, package settings": ("lax_torus", False, "package", False),
+  "pallas (blocking kernels)": ("pallas", False, "package", False),
+  "pallas split kernels, threaded": ("pallas", False, "package", True),
+  "weight-update sharding, deferred gather": ("auto", True, "package", False),
+  "weight-update sharding, default flags": ("auto", True, "default", False),
 }
 
 
@@ -60,6 +61,12 @@ def _parse(argv):
     "--weight-update-sharding", choices=("on", "off"), default=None, help="default: config"
   )
   parser.add_argument("--xla-settings", choices=("package", "default"), default="package")
+  parser.add_argument(
+    "--grad-overlap",
+    choices=("on", "off"),
+    default=None,
+    help="thread the summation through the backward pass (config.grad_overlap)",
+  )
   parser.add_argument("--bucket-mib", type=float, default=None, help="gradient bucket size")
   parser.add_argument(
     "--dump-hlo", default=None, help="write the compiled program here (--rows: a directory)"
@@ -73,16 +80,27 @@ def _parse(argv):
 
 
 def lower_train_step(
-  topology: str, model: str, batch: int, implementation, sharded, bucket_bytes=None
+  topology: str,
+  model: str,
+  batch: int,
+  implementation,
+  sharded,
+  bucket_bytes=None,
+  overlap=None,
+  mesh_shape=None,
 ):
-  """The example's train step, lowered for ``topology`` with abstract state and batch."""
-  mesh = topology_mesh(topology)
+  """The example's train step, lowered for ``topology`` with abstract state and batch;
+  ``overlap``: ``config.grad_overlap`` (None: the config's); ``mesh_shape``: a torus mesh
+  of that shape (``aot_report.topology_mesh``; default 2-D)."""
+  mesh = topology_mesh(topology, mesh_shape)
   config = imagenet.get_config(global_batch=batch * mesh.devices.size)
   config.model = model
   if implementation is not None:
     config.grad_implementation = implementation
   if bucket_bytes is not None:
     config.grad_bucket_bytes = bucket_bytes
+  if overlap is not None:
+    config.grad_overlap = overlap
   if sharded is not None:
     config.weight_update_sharding = sharded
     config.defer_weight_gather = sharded and config.defer_weight_gather
@@ -118,6 +136,7 @@ def lower_train_step(
     average_gradients=train.gradient_averaging(config),
     opt_state_spec=opt_state_spec,
     layout=layout,
+    value_and_averaged_grad=train.gradient_threading(config),
   )
   return mesh, jax.jit(step).lower(state, inputs)
 
@@ -175,6 +194,13 @@ def step_timeline(compiled_text: str, mesh, generation: str, clock_hz: float):
   sizes = dict(mesh.shape)
 
   def price(op, nbytes):
+    split = hlo_schedule.split_call(op)
+    if split is not None:  # one ring hop of a split collective; nbytes: the call's buffer
+      kind, _, axis = split
+      n = sizes[axis]
+      chunk = nbytes // (n if kind == "all_gather" else n - 1)
+      ring = cost_model.predict(kind, (n,), "ring", n * chunk, generation)
+      return ring.time_s / (n - 1)
     axes = tuple(sizes) if op.kind == "pallas" else (op.axes or tuple(sizes))
     torus = tuple(sizes[a] for a in axes)
     collective = _collective_name(op)
@@ -234,11 +260,12 @@ def run_rows(args) -> None:
     f"{args.model}, per-replica batch {args.batch}, on {args.topology} (compiler estimates "
     "and the cost model, not measurements)"
   )
-  for label, (implementation, sharded, settings) in ROWS.items():
+  for label, (implementation, sharded, settings, overlap) in ROWS.items():
     command = [sys.executable, "-m", "bench.overlap_report", "--quiet"]
     command += ["--topology", args.topology, "--model", args.model, "--batch", str(args.batch)]
     command += ["--implementation", implementation, "--xla-settings", settings]
     command += ["--weight-update-sharding", "on" if sharded else "off"]
+    command += ["--grad-overlap", "on" if overlap else "off"]
     if args.dump_hlo:  # with --rows: a directory, one program per row
       os.makedirs(args.dump_hlo, exist_ok=True)
       name = "".join(c if c.isalnum() else "_" for c in label)
@@ -273,6 +300,7 @@ def main(argv=None) -> None:
     args.implementation,
     sharded,
     None if args.bucket_mib is None else int(args.bucket_mib * 2**20),
+    None if args.grad_overlap is None else args.grad_overlap == "on",
   )
   compiled = lowered.compile()
   text = compiled.as_text()

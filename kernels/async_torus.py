@@ -26,11 +26,14 @@ The two kinds, for the device at ring position ``p`` (``Phase.send_slab`` /
   ``(p - t) mod n`` from its ``buffer`` into the same place of the neighbour's, and
   receives chunk ``(p - 1 - t) mod n``. Done returns ``buffer``:
   ``lax.all_gather(x, axis_name, tiled=True)``;
-* reduce-scatter of the whole ``x`` (``n * m`` elements): ``buffer`` holds ``n - 1``
-  receive slots of ``m`` elements, slot ``t`` for what arrives at hop ``t``. At hop ``t``
-  the device sends its partial sum of chunk ``(p - 1 - t) mod n`` into slot ``t`` of the
-  neighbour's ``buffer``: at hop 0 straight from ``x``, later from its own slot
-  ``t - 1``, to which the step has just added ``x``'s term of that chunk in place
+* reduce-scatter of the whole ``x`` (``n * m`` elements): ``buffer`` holds ``n`` slots of
+  ``m`` elements: slot ``t < n - 1`` for what arrives at hop ``t``, and slot ``n - 1``
+  for what hop 0 sends (start copies ``x``'s chunk there: a DMA in flight reads only
+  buffers aliased through every call, and XLA may copy ``x`` between the calls and free
+  the original). At hop ``t`` the device sends its partial sum of chunk
+  ``(p - 1 - t) mod n`` into slot ``t`` of the neighbour's ``buffer``: at hop 0 from slot
+  ``n - 1``, later from its own slot ``t - 1``, to which the step has just added ``x``'s
+  term of that chunk in place
   (through VMEM, 16-bit floats in float32, rounded once). Done adds ``x``'s chunk ``p``
   to the last slot into a fresh ``[m]`` output: ``lax.psum_scatter(x, axis_name,
   scatter_dimension=0, tiled=True)``. ``x`` is an operand of every call (read at every
@@ -41,7 +44,7 @@ Synchronisation (both kinds):
 * no capacity handshake: every place of ``buffer`` is written exactly once by an incoming
   DMA (and, for the reduce-scatter, once more in place by its own device after waiting
   for that DMA), and read only after that write has been waited for; nothing is reused,
-  which is what the ``n - 1`` receive slots cost in memory (one ``x`` more);
+  which is what the slots cost in memory (one ``x`` more);
 * entry barrier (the barrier semaphore of ``collective_id("async_<kind>", ...)``, a
   pattern of its own, distinct from the blocking kernels'): a device signals its upstream
   neighbour and waits for its downstream one before hop 0, so no DMA lands in a device
@@ -156,8 +159,7 @@ class RingState:
   @property
   def chunk(self) -> int:
     """``m``: the elements of one chunk, the size of every DMA of the phase."""
-    slots = self.n if self.kind == "all_gather" else self.n - 1
-    return self.buffer.shape[0] // slots
+    return self.buffer.shape[0] // self.n
 
 
 def _phase(kind: RingKind, n: int) -> schedule_lib.Phase:
@@ -225,7 +227,7 @@ class _Ring:
     reduce-scatter's ``x`` chunk at hop 0, its partial sum in slot ``hop - 1`` after."""
     if self.kind == "all_gather":
       return self.chunk(buffer_ref, self.sent(hop))
-    return self.chunk(x_ref, self.sent(0)) if hop == 0 else self.chunk(buffer_ref, hop - 1)
+    return self.chunk(buffer_ref, self.n - 1 if hop == 0 else hop - 1)
 
   def destination(self, buffer_ref, hop: int):
     """Where ``hop``'s send lands in the downstream neighbour's buffer."""
@@ -301,13 +303,15 @@ def _start_kernel(
   kind, axis_name, n, mesh_axes, m, itemsize, coords_ref, x_ref, buffer_ref, send, recv, local
 ):
   ring = _Ring(kind, axis_name, n, mesh_axes, coords_ref, m, itemsize)
-  own = None
-  if kind == "all_gather":
+  if kind == "all_gather":  # the own chunk, in its place
     own = pltpu.make_async_copy(x_ref, ring.chunk(buffer_ref, ring.position), local)
-    own.start()
+  else:  # what hop 0 sends, staged in the last slot
+    own = pltpu.make_async_copy(
+      ring.chunk(x_ref, ring.sent(0)), ring.source(x_ref, buffer_ref, 0), local
+    )
+  own.start()
   ring.signal_upstream()
-  if own is not None:
-    own.wait()
+  own.wait()
   ring.wait_downstream()
   ring.send(x_ref, buffer_ref, 0, send, recv)
 
@@ -356,14 +360,14 @@ def _params(kind: RingKind, axis_name: str, n: int, *, barrier: bool = True):
 
 def _cost(kind: RingKind, m: int, itemsize: int, call: str) -> pl.CostEstimate:
   """The HBM bytes each call's DMAs and local copies move (``call`` in start, step, done):
-  a send reads a chunk here and writes one remotely; the all-gather's start copies the own
-  chunk; a reduce-scatter step reads its slot and ``x``'s term and writes the slot, done
+  a send reads a chunk here and writes one remotely; each start copies one chunk of ``x``
+  into the buffer; a reduce-scatter step reads its slot and ``x``'s term and writes the slot, done
   the same into the result."""
   chunk = m * itemsize
   sends = call != "done"
   local = {
     "all_gather": {"start": 2, "step": 0, "done": 0},
-    "reduce_scatter": {"start": 0, "step": 3, "done": 3},
+    "reduce_scatter": {"start": 2, "step": 3, "done": 3},
   }[kind][call]
   flops = m if kind == "reduce_scatter" and call != "start" else 0
   return pl.CostEstimate(
@@ -386,12 +390,11 @@ def ring_start(
   doc). ``n`` is the size of ``axis_name``."""
   mesh_axes = tuple(mesh_axes)
   m = chunk_elements(kind, x, n, axis_name, mesh_axes)
-  slots = n if kind == "all_gather" else n - 1
   itemsize = x.dtype.itemsize
   kernel = functools.partial(_start_kernel, kind, axis_name, n, mesh_axes, m, itemsize)
   buffer, send, recv = pl.pallas_call(
     kernel,
-    out_shape=(torus_kernels._hbm_like(x, (slots * m,)), _DMA_SEM, _DMA_SEM),
+    out_shape=(torus_kernels._hbm_like(x, (n * m,)), _DMA_SEM, _DMA_SEM),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
       in_specs=[_ANY],

@@ -173,6 +173,7 @@ def _train_step(
   label_smoothing,
   average_gradients,
   gather_params,
+  value_and_averaged_grad=None,
 ):
   """Per-device body of one training step (inside shard_map)."""
   params = state.params if gather_params is None else gather_params(state.params)
@@ -192,8 +193,12 @@ def _train_step(
   # broadcast already sums the gradient over the mesh, and averaging it again would train
   # on the sum of the replicas' gradients instead of their mean.
   per_replica = lax.pcast(params, axes, to="varying")
-  (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(per_replica)
-  if average_gradients is None:  # weight-update sharding: tx reduce-scatters them itself
+  if value_and_averaged_grad is not None:  # the mean, summed during the backward pass
+    (loss, (logits, batch_stats)), grads = value_and_averaged_grad(loss_fn, axes)(per_replica)
+  else:
+    (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(per_replica)
+  if average_gradients is None and value_and_averaged_grad is None:
+    # Weight-update sharding: tx reduce-scatters the gradients itself.
     params, opt_state = tx.apply_gradients(
       grads, state.opt_state, params, gather=gather_params is None
     )
@@ -202,12 +207,13 @@ def _train_step(
     grad_norm = jnp.sqrt(lax.pmean(optax.tree.norm(grads) ** 2, axes))
   else:
     opt_state = state.opt_state
-    if isinstance(opt_state, optim.ErrorFeedbackState):  # this device's [1, *shape] residual
-      residual = jax.tree.map(lambda r: r[0], opt_state.residual)
-      grads, residual = average_gradients(grads, axes, residual=residual)
-      opt_state = opt_state._replace(residual=jax.tree.map(lambda r: r[None], residual))
-    else:
-      grads = average_gradients(grads, axes)
+    if value_and_averaged_grad is None:  # grads are this device's: average them now
+      if isinstance(opt_state, optim.ErrorFeedbackState):  # its [1, *shape] residual
+        residual = jax.tree.map(lambda r: r[0], opt_state.residual)
+        grads, residual = average_gradients(grads, axes, residual=residual)
+        opt_state = opt_state._replace(residual=jax.tree.map(lambda r: r[None], residual))
+      else:
+        grads = average_gradients(grads, axes)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
@@ -239,6 +245,7 @@ def make_train_step(
   average_gradients: Callable[[Any, tuple[str, ...]], Any] | None,
   opt_state_spec: P | None = None,
   layout: ParamsLayout = ParamsLayout(),
+  value_and_averaged_grad: Callable | None = None,
 ) -> Callable:
   """One data-parallel step ``(state, batch) -> (state, metrics)`` over every mesh axis.
 
@@ -252,8 +259,11 @@ def make_train_step(
   (``(grads, residual)``), which the state keeps. A batch may carry ``'stop'``, one int32
   per device (see ``faults.StopRequest``); ``metrics['stop']`` is then its maximum over
   the mesh, the same on every process. The state is the running one of ``layout``
-  (``ParamsLayout``; by default replicated parameters). The result is not jitted, so the
-  caller chooses whether to donate the state.
+  (``ParamsLayout``; by default replicated parameters). ``value_and_averaged_grad(loss_fn,
+  axes)``, if given, replaces ``jax.value_and_grad`` and ``average_gradients`` both: it
+  returns the loss, its aux and the mean gradient, summed while the backward pass runs
+  (``gradient_threading``). The result is not jitted, so the caller chooses whether to
+  donate the state.
   """
   body = functools.partial(
     _train_step,
@@ -265,6 +275,7 @@ def make_train_step(
     label_smoothing=label_smoothing,
     average_gradients=average_gradients,
     gather_params=layout.gather,
+    value_and_averaged_grad=value_and_averaged_grad,
   )
   spec = state_specs(P() if opt_state_spec is None else opt_state_spec, layout.spec)
   return jax.shard_map(body, mesh=mesh, in_specs=(spec, P(mesh.axis_names)), out_specs=(spec, P()))
@@ -632,6 +643,26 @@ def gradient_averaging(config: ml_collections.ConfigDict) -> Callable | None:
   )
 
 
+def gradient_threading(config: ml_collections.ConfigDict) -> Callable | None:
+  """The ``value_and_averaged_grad`` of ``make_train_step`` with ``config.grad_overlap``:
+  ``tc.value_and_summed_grad`` (the mean, with the configured implementation and bucket
+  size), which starts each bucket's summation as soon as its gradients exist; None
+  without it."""
+  if not config.grad_overlap:
+    return None
+
+  def value_and_averaged_grad(loss_fn, axes):
+    return tc.value_and_summed_grad(
+      loss_fn,
+      axes,
+      bucket_bytes=config.grad_bucket_bytes,
+      implementation=config.grad_implementation,
+      has_aux=True,
+    )
+
+  return value_and_averaged_grad
+
+
 def _build_program(
   config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, data: _Data
 ) -> _Program:
@@ -668,6 +699,7 @@ def _build_program(
     average_gradients=gradient_averaging(config),
     opt_state_spec=opt_state_spec,
     layout=layout,
+    value_and_averaged_grad=gradient_threading(config),
   )
   return _Program(
     init_fn=init_fn,

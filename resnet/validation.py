@@ -139,6 +139,7 @@ RULES = {
     + ", ".join(map(repr, BLOCK_SCALED_TRANSPORT_DTYPES)),
   ),
   "grad_error_feedback": _BOOL,
+  "grad_overlap": _BOOL,
   "tune": _BOOL,
   "weight_update_sharding": _BOOL,
   "defer_weight_gather": _BOOL,
@@ -183,6 +184,17 @@ def _cross_field_problems(config) -> list[str]:
       f"{list(ERROR_FEEDBACK_IMPLEMENTATIONS)}, not {config.grad_implementation!r}, which "
       "returns no quantization residual. Set config.grad_implementation='shard_map' or "
       "config.grad_error_feedback=False."
+    )
+  if config.grad_overlap and config.weight_update_sharding:
+    problems.append(
+      "config.grad_overlap=True needs config.weight_update_sharding=False: the sharded "
+      "optimizer reduce-scatters the gradients itself, after the backward pass."
+    )
+  if config.grad_overlap and config.grad_transport_dtype:
+    problems.append(
+      f"config.grad_overlap=True sums the gradients in their own dtype, not "
+      f"config.grad_transport_dtype={config.grad_transport_dtype!r}. Set "
+      "config.grad_transport_dtype='' or config.grad_overlap=False."
     )
   return problems
 

@@ -15,6 +15,8 @@ package's core must not (Pallas loads only with the kernels).
   (``xla_settings``).
 * ``check_vma``, ``auto_pcast``, ``pallas_tpu_interpret_mode``: flags of the enclosing
   ``shard_map`` and interpret-mode context (``_vma``, ``collectives``, ``target``).
+* ``equation_context``: an equation's source information (its name stack, so compiled
+  ``op_name``s keep ``transpose(jvp(...))``) around a re-evaluation of it (``overlap``).
 * ``bool_state``: a jax config option of the package's own, keyed into jit's cache
   (``registry.bitwise_as_lax``).
 * ``coordination_client``: the key-value store of ``jax.distributed``'s coordination
@@ -22,11 +24,12 @@ package's core must not (Pallas loads only with the kernels).
   orbax and ``jax.experimental.multihost_utils`` read it the same way).
 """
 
+import contextlib
 import weakref
 
 from jax._src import config as _config
 from jax._src import distributed as _distributed
-from jax._src import xla_bridge
+from jax._src import source_info_util, xla_bridge
 from jax._src.core import Jaxpr, Literal, Primitive, Tracer, get_axis_env, pvary
 
 bool_state = _config.bool_state
@@ -72,6 +75,17 @@ def coordination_client():
   return _distributed.global_state.client
 
 
+def equation_context(eqn):
+  """The context ``jax.core.eval_jaxpr`` binds ``eqn`` in: its traceback and name stack
+  under the current one, and the equation's own context."""
+  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+  traceback = eqn.source_info.traceback
+  stack = contextlib.ExitStack()
+  stack.enter_context(source_info_util.user_context(traceback, name_stack=name_stack))
+  stack.enter_context(eqn.ctx.manager)
+  return stack
+
+
 def pallas_tpu_interpret_mode() -> bool:
   """Whether a ``pltpu.force_tpu_interpret_mode`` context is active."""
   return _config.pallas_tpu_interpret_mode_context_manager.value is not None
@@ -87,6 +101,7 @@ __all__ = [
   "backends_initialized",
   "check_vma",
   "coordination_client",
+  "equation_context",
   "get_axis_env",
   "pallas_tpu_interpret_mode",
   "production_order",

@@ -25,6 +25,11 @@ CALLS = frozenset(
   {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "checkpoint"}
 )
 CALL_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# jax.lax's communicating primitives.
+COLLECTIVES = frozenset(
+  "psum pmax pmin ppermute all_gather all_to_all psum_scatter reduce_scatter axis_index pbroadcast"
+  " psum_invariant".split()
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,14 @@ its DMAs are on the link):
    (so the next call waits for it), and then every in-flight collective issues its next
    call. So each window between two calls of a collective holds one backward
    convolution's work: XLA cannot move it out, because the barriers are data
-   dependencies (the async note's remedy; ``async_torus.pin``).
+   dependencies (the async note's remedy; ``async_torus.pin``). Equations that
+   communicate (lax collectives such as the batch norms' sums, the package's primitives,
+   Pallas kernels) are pinned the same way without advancing, and each bucket starts
+   after the last of them so far, so their order relative to the split calls is the
+   program's on every device (lax collectives keep program order among themselves, the
+   Pallas calls too, but not relative to each other on a runtime that runs independent
+   ops concurrently: the CPU interpreter); the value and aux come out of a barrier with
+   the final sums.
 5. After the last equation, every collective still in flight issues the calls it has
    left; the sums are unpacked, scaled (``mean``) and cast back to the leaves' dtypes.
 
@@ -52,6 +59,7 @@ Assumptions and limits:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Callable
@@ -61,6 +69,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from torus_collectives import _jax_internals as jax_internals
 from torus_collectives import axes, inlining, packing, registry
 from torus_collectives._vma import ensure_varying, mark_invariant
 from torus_collectives.collectives import AxisName
@@ -125,6 +134,15 @@ class _Threaded:
     self.split_all_reduce, self.names, self.sizes = split_all_reduce, names, sizes
     self.bucket_bytes = bucket_bytes
     self.in_flight: list[tuple[list[int], Any]] = []  # (leaf indices, SplitCollective)
+    self.last_communicated: list[jax.Array] = []  # results of the last such equation
+
+  @contextlib.contextmanager
+  def _scope(self, split):
+    """The named scopes of a bucket's calls: the summation's, then ``bucket_<k>`` (``k``
+    its start order), by which ``bench.hlo_schedule`` tells one bucket's calls apart."""
+    k = next(i for i, (_, s) in enumerate(self.in_flight) if s is split)
+    with jax.named_scope(GRADIENT_SCOPE), jax.named_scope(f"bucket_{k}"):
+      yield
 
   def run(self, closed, flat_args, grad_leaves) -> tuple[list, list[jax.Array]]:
     """(the value's leaves, the summed gradient leaves, flat) of the traced program."""
@@ -148,26 +166,33 @@ class _Threaded:
     self._start_ready(buckets, ready_after, -1, gradient)
     for position, item in enumerate(eqns):
       operands = [_read(env, atom) for atom in item.ins]
-      heavy = item.eqn.primitive.name in HEAVY and self.in_flight
-      if heavy:
+      name = item.eqn.primitive.name
+      pinned = self.in_flight and (name in HEAVY or _communicates(name))
+      if pinned:
         operands = self._pin(operands)
       results = _evaluate(item.eqn, operands)
-      if heavy:
+      if pinned:
         results = self._pin(results)
-        self._advance()
+        if name in HEAVY:
+          self._advance()
+      if _communicates(name):
+        self.last_communicated = [r for r in results if isinstance(r, jax.Array)]
       env.update(zip(item.outs, results))
       self._start_ready(buckets, ready_after, position, gradient)
     summed: dict[int, jax.Array] = {}
-    with jax.named_scope(GRADIENT_SCOPE):
-      for bucket, split in self.in_flight:
+    for bucket, split in self.in_flight:
+      with self._scope(split):
         sizes = [math.prod(grad_leaves[i].shape) for i in bucket]
         parts = packing.unpack(split.finish(), sizes)
-        summed.update(zip(bucket, parts))
+      summed.update(zip(bucket, parts))
     reduced = [
       mark_invariant(summed[i].reshape(leaf.shape), self.names)
       for i, leaf in enumerate(grad_leaves)
     ]
-    return [_read(env, a) for a in value_atoms], reduced
+    # The value and aux come out of a barrier with the sums, so that what the caller
+    # computes from them (its metrics' collectives, say) runs after the last call.
+    value, reduced = lax.optimization_barrier(([_read(env, a) for a in value_atoms], reduced))
+    return value, reduced
 
   def _start_ready(self, buckets, ready_after, position, gradient) -> None:
     """Starts the split all-reduce of every bucket whose last leaf ``position`` produced."""
@@ -177,29 +202,38 @@ class _Threaded:
       with jax.named_scope(GRADIENT_SCOPE):
         leaves = [jnp.asarray(gradient(i)).reshape(-1) for i in bucket]
         flat = ensure_varying(packing.pack(leaves), self.names)
+        # After every communicating equation so far (they run in program order among
+        # themselves; the split calls, in program order among themselves, follow them).
+        flat, _ = lax.optimization_barrier((flat, self.last_communicated))
         split = self.split_all_reduce(flat, self.names, self.sizes)
-        if split.calls_left:
-          split.advance()
       self.in_flight.append((bucket, split))
+      if split.calls_left:
+        with self._scope(split):
+          split.advance()
 
   def _pin(self, values):
     """``values`` (their traced arrays; literals pass) through a barrier with each
-    in-flight collective, in the order they started."""
+    collective started so far (finished ones too: with their result), in start order."""
     traced = [i for i, v in enumerate(values) if isinstance(v, jax.Array)]
     pinned = [values[i] for i in traced]
     for _, split in self.in_flight:
-      if split.calls_left:
-        pinned = split.pin(pinned)
+      pinned = split.pin(pinned)
     values = list(values)
     for i, v in zip(traced, pinned):
       values[i] = v
     return values
 
   def _advance(self) -> None:
-    with jax.named_scope(GRADIENT_SCOPE):
-      for _, split in self.in_flight:
-        if split.calls_left:
+    for _, split in self.in_flight:
+      if split.calls_left:
+        with self._scope(split):
           split.advance()
+
+
+def _communicates(name: str) -> bool:
+  """A lax collective, a torus primitive or a Pallas kernel: ops that wait for other
+  devices, so every device must run them in the same order relative to the split calls."""
+  return name in inlining.COLLECTIVES or name.startswith("torus_") or name == "pallas_call"
 
 
 def _read(env, atom):
@@ -208,5 +242,6 @@ def _read(env, atom):
 
 def _evaluate(eqn, operands) -> list:
   params = eqn.primitive.get_bind_params(eqn.params)
-  out = inlining.bind(eqn.primitive, operands, params)
+  with jax_internals.equation_context(eqn):
+    out = inlining.bind(eqn.primitive, operands, params)
   return list(out) if eqn.primitive.multiple_results else [out]

@@ -78,6 +78,13 @@ def get_config() -> ml_collections.ConfigDict:
   # adds it to the next step's, so the summed gradients over a run lose only the last
   # step's error. Needs the 'auto' or 'shard_map' grad_implementation.
   c.grad_error_feedback = False
+  # Thread the gradient summation through the backward pass (tc.value_and_summed_grad):
+  # each bucket starts once the backward pass has produced its gradients. With the 'pallas'
+  # grad_implementation its split kernels run between the later backward convolutions
+  # (verified in TPU interpret mode and in compiled programs, not measured on a TPU); any
+  # other implementation runs value_and_grad, then all_reduce_gradients, as without it.
+  # Needs weight_update_sharding=False and grad_transport_dtype=''.
+  c.grad_overlap = False
   # Time the gradient summation and batch norms of this model on this mesh before training
   # (resnet/pretune.py); 'auto' runs a torus implementation once it beat XLA with confidence
   # here in two runs from different processes (this one and an earlier one in the cache).

@@ -83,10 +83,6 @@ REDUCTIONS: dict[str, tuple[str, Callable, Callable]] = {
 # Shape changes that keep the flat order of a leaf (when they keep its size, and a
 # transpose its non-unit axes' order).
 RELABELLING = frozenset({"reshape", "squeeze", "broadcast_in_dim", "transpose", "expand_dims"})
-COLLECTIVES = frozenset(
-  "psum pmax pmin ppermute all_gather all_to_all psum_scatter reduce_scatter axis_index pbroadcast"
-  " psum_invariant".split()
-)
 
 
 class UnshardableTransformError(ValueError):
@@ -246,7 +242,7 @@ class Interpreter:
 
   def _apply(self, eqn, operands: list[Value]) -> list[Value]:
     out_shapes = [tuple(v.aval.shape) for v in eqn.outvars]
-    if eqn.primitive.name in COLLECTIVES and set(_axes_of(eqn)) & set(self.shards.axes):
+    if eqn.primitive.name in inlining.COLLECTIVES and set(_axes_of(eqn)) & set(self.shards.axes):
       self._refuse(
         eqn,
         operands,

@@ -1,0 +1,111 @@
+"""The ResNet example's ``config.grad_overlap``: the train step's gradient mean summed during
+the backward pass (``tc.value_and_summed_grad``).
+
+Two train steps of a tiny ResNet on a 2x4 mesh with small buckets (several in flight):
+with the split Pallas kernels, in TPU interpret mode through the split-call extension
+(race detector on), the weights, batch statistics and metrics equal those of the plain
+step (``value_and_grad``, then ``all_reduce_gradients``) within float32 rounding (the two
+sum in different orders); with "xla", bitwise. Validation refuses the option where it
+cannot apply.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from async_interpret import async_interpret_mode
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import torus_collectives as tc
+from resnet import models, optim, train, validation
+from resnet.configs import default
+
+BUCKET_BYTES = 160 * 1024  # four buckets of the tiny ResNet's 0.5 MB gradient
+
+
+def _two_steps(implementation: str, overlap: bool):
+  mesh = tc.make_torus_mesh((2, 4))
+  axes = mesh.axis_names
+  model = models.create_model("resnet_tiny", num_classes=10, dtype=jnp.float32, axis_name=axes)
+  config = default.get_config()
+  config.image_size = 16
+  config.grad_implementation = implementation
+  config.grad_bucket_bytes = BUCKET_BYTES
+  config.grad_overlap = overlap
+  learning_rate_fn = optax.constant_schedule(0.1)
+  tx, spec = optim.create_optimizer(config, learning_rate_fn, axes)
+  rng = np.random.default_rng(0)
+  batch = jax.device_put(
+    {
+      "image": jnp.asarray(rng.standard_normal((16, 16, 16, 3)), jnp.float32),
+      "label": jnp.asarray(rng.integers(0, 10, 16), jnp.int32),
+    },
+    NamedSharding(mesh, P(axes)),
+  )
+  variables = model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)), train=False)
+  state = train.TrainState(
+    step=jnp.zeros((), jnp.int32),
+    params=variables["params"],
+    batch_stats=variables["batch_stats"],
+    opt_state=jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=spec))(
+      variables["params"]
+    ),
+  )
+  step = jax.jit(
+    train.make_train_step(
+      model,
+      tx,
+      learning_rate_fn,
+      mesh,
+      num_classes=10,
+      label_smoothing=0.1,
+      average_gradients=train.gradient_averaging(config),
+      opt_state_spec=spec,
+      value_and_averaged_grad=train.gradient_threading(config),
+    )
+  )
+  metrics = []
+  for _ in range(2):
+    state, m = step(state, batch)
+    metrics.append(m)
+  return jax.device_get((state, metrics))
+
+
+def _compare(ours, reference, **tolerance):
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(reference), strict=True):
+    if tolerance:
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tolerance)
+    else:
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow
+@pytest.mark.interpret
+@pytest.mark.timeout(600, method="thread")
+def test_threaded_pallas_step_matches_the_plain_step():
+  with async_interpret_mode("on_wait", deadlock_timeout_s=120.0):
+    threaded = _two_steps("pallas", overlap=True)
+  plain = _two_steps("xla", overlap=False)
+  _compare(threaded, plain, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_threading_on_xla_is_the_plain_step_bitwise():
+  _compare(_two_steps("xla", overlap=True), _two_steps("xla", overlap=False))
+
+
+@pytest.mark.parametrize(
+  "changes, message",
+  [
+    ({"weight_update_sharding": True}, "grad_overlap=True needs config.weight_update_sharding"),
+    ({"grad_transport_dtype": "bfloat16"}, "sums the gradients in their own dtype"),
+  ],
+)
+def test_validation_refuses_what_threading_cannot_do(changes, message):
+  config = default.get_config()
+  config.grad_overlap = True
+  config.update(changes)
+  with pytest.raises(ValueError, match=message):
+    validation.validate_config(config)
