@@ -56,7 +56,9 @@ _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
 _GROUPS = re.compile(r"replica_groups=mesh\[[^\]]*\] \{([^}]*)\}")
 _COLLECTIVE = re.compile(r" (" + "|".join(COLLECTIVE_OPCODES) + r")(?:-start)?\(")
-_SPLIT_CALL = re.compile(r"async_(all_gather|reduce_scatter)_(start|step|done)_(\w+?)(?:/|$)")
+_SPLIT_CALL = re.compile(
+  r"async_(all_gather|reduce_scatter)(?:_ccw)?_(start|step|done)_(\w+?)(?:/|$)"
+)
 
 
 def is_convolution(op: Op) -> bool:
@@ -370,12 +372,13 @@ class _Chain:
 
 
 _PASSING = frozenset({"get-tuple-element", "bitcast"})
-_BUCKET = re.compile(r"/(bucket_[0-9]+)/")
+_BUCKET = re.compile(r"/(bucket_[0-9]+(?:/stream_[0-9]+)?)/")
 
 
 def split_chains(ops: list[Op]) -> list[list[int]]:
   """Each split collective's calls, as indices into ``ops`` in schedule order. Within a
-  named ``bucket_<k>`` scope (the threaded gradient summation's), the calls of that scope:
+  named ``bucket_<k>`` scope (the threaded gradient summation's; ``bucket_<k>/stream_<s>``
+  for each stream of a split torus all-reduce), the calls of that scope:
   the calls of one chain depend on each other, so the schedule keeps their order, and a
   chain spans all its phases. Otherwise each call joins the chain of the call that
   produced its buffer operand, and a start begins a chain (one per phase)."""

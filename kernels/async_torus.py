@@ -15,7 +15,10 @@ independent compute between them (jax's start/done pattern for asynchronous Pall
   buffer the DMAs are writing); the semaphores are fresh ones of this call;
 * ``ring_done(state)``: waits for the last hop and returns the result.
 
-``ring_phase`` runs a whole phase, with an optional hook between the calls;
+A phase may run in either direction (``direction=-1``: every device sends to the previous
+coordinate instead, the mirror image of what follows; its own collective-id pattern,
+``async_<kind>_ccw``). ``ring_phase`` runs a whole phase, with an optional hook between the
+calls;
 ``split_collectives`` chains phases over the axes of a torus.
 
 The two kinds, for the device at ring position ``p`` (``Phase.send_slab`` /
@@ -130,15 +133,17 @@ _SEM = pl.BlockSpec(memory_space=pltpu.SEMAPHORE)
 _DMA_SEM = pltpu.SemaphoreType.DMA(())
 
 
-def pattern(kind: RingKind) -> str:
-  """The collective-id pattern of a split ring phase (distinct from the blocking kernels')."""
-  return f"async_{kind}"
+def pattern(kind: RingKind, direction: int = 1) -> str:
+  """The collective-id pattern of a split ring phase (distinct from the blocking kernels'),
+  one per direction: the two directions' barriers signal different neighbours, so they
+  must not share a barrier semaphore."""
+  return f"async_{kind}" if direction == 1 else f"async_{kind}_ccw"
 
 
 @functools.partial(
   jax.tree_util.register_dataclass,
   data_fields=["buffer", "source", "send", "recv"],
-  meta_fields=["kind", "hop", "axis_name", "n", "mesh_axes"],
+  meta_fields=["kind", "hop", "axis_name", "n", "mesh_axes", "direction"],
 )
 @dataclasses.dataclass(frozen=True)
 class RingState:
@@ -155,6 +160,7 @@ class RingState:
   axis_name: str
   n: int
   mesh_axes: tuple[str, ...]
+  direction: int = 1
 
   @property
   def chunk(self) -> int:
@@ -162,10 +168,11 @@ class RingState:
     return self.buffer.shape[0] // self.n
 
 
-def _phase(kind: RingKind, n: int) -> schedule_lib.Phase:
+def _phase(kind: RingKind, n: int, direction: int = 1) -> schedule_lib.Phase:
+  """The ring schedule's phase (``build(kind, (n,), "ring")``), in ``direction``."""
   (phases,) = _schedule(kind, n).streams
   (phase,) = phases
-  return phase
+  return dataclasses.replace(phase, direction=direction)
 
 
 def _schedule(kind: RingKind, n: int) -> schedule_lib.Schedule:
@@ -201,9 +208,11 @@ def chunk_elements(kind: RingKind, x: jax.Array, n: int, axis_name: str, mesh_ax
 class _Ring:
   """This device's place on the ring of one phase, inside a kernel."""
 
-  def __init__(self, kind: RingKind, axis_name, n, mesh_axes, coords_ref, m, itemsize=4):
+  def __init__(
+    self, kind: RingKind, axis_name, n, mesh_axes, coords_ref, m, itemsize=4, direction=1
+  ):
     self.topo = torus_kernels._Topology((axis_name,), (n,), tuple(mesh_axes), coords_ref)
-    self.kind, self.n, self.m, self.phase = kind, n, m, _phase(kind, n)
+    self.kind, self.n, self.m, self.phase = kind, n, m, _phase(kind, n, direction)
     self.align = dma_alignment(itemsize)
     self.position = self.topo.coords[0]
 
@@ -300,9 +309,21 @@ def _sum_through_vmem(ring: _Ring, dst, a, b, vmem_a, vmem_b, sems) -> None:
 
 
 def _start_kernel(
-  kind, axis_name, n, mesh_axes, m, itemsize, coords_ref, x_ref, buffer_ref, send, recv, local
+  kind,
+  direction,
+  axis_name,
+  n,
+  mesh_axes,
+  m,
+  itemsize,
+  coords_ref,
+  x_ref,
+  buffer_ref,
+  send,
+  recv,
+  local,
 ):
-  ring = _Ring(kind, axis_name, n, mesh_axes, coords_ref, m, itemsize)
+  ring = _Ring(kind, axis_name, n, mesh_axes, coords_ref, m, itemsize, direction)
   if kind == "all_gather":  # the own chunk, in its place
     own = pltpu.make_async_copy(x_ref, ring.chunk(buffer_ref, ring.position), local)
   else:  # what hop 0 sends, staged in the last slot
@@ -316,11 +337,13 @@ def _start_kernel(
   ring.send(x_ref, buffer_ref, 0, send, recv)
 
 
-def _continue_kernel(kind, done, axis_name, n, mesh_axes, m, itemsize, hop, coords_ref, *refs):
+def _continue_kernel(
+  kind, direction, done, axis_name, n, mesh_axes, m, itemsize, hop, coords_ref, *refs
+):
   """A step (``done=False``: waits for hop ``hop - 1``, sends hop ``hop``) or the done call
   (waits for hop ``hop``). Operands: [x,] buffer, send, recv; outputs: buffer[, result]
   or buffer, send, recv; then the scratch."""
-  ring = _Ring(kind, axis_name, n, mesh_axes, coords_ref, m, itemsize)
+  ring = _Ring(kind, axis_name, n, mesh_axes, coords_ref, m, itemsize, direction)
   reduce = kind == "reduce_scatter"
   if reduce:
     x_ref, _, send_in, recv_in, *refs = refs
@@ -347,11 +370,11 @@ def _continue_kernel(kind, done, axis_name, n, mesh_axes, m, itemsize, hop, coor
     ring.send(x_ref, buffer_ref, hop, send, recv)
 
 
-def _params(kind: RingKind, axis_name: str, n: int, *, barrier: bool = True):
+def _params(kind: RingKind, axis_name: str, n: int, direction: int, *, barrier: bool = True):
   """Start and step calls use the pattern's barrier semaphore; the done call uses none
   (Mosaic refuses a ``collective_id`` on a kernel that does not use the barrier)."""
   cid = (
-    torus_kernels.collective_id(pattern(kind), (axis_name,), _schedule(kind, n))
+    torus_kernels.collective_id(pattern(kind, direction), (axis_name,), _schedule(kind, n))
     if barrier
     else None
   )
@@ -384,14 +407,22 @@ def _vmem_scratch(m: int, dtype) -> list:
 
 
 def ring_start(
-  kind: RingKind, x: jax.Array, axis_name: str, n: int, mesh_axes: Sequence[str]
+  kind: RingKind,
+  x: jax.Array,
+  axis_name: str,
+  n: int,
+  mesh_axes: Sequence[str],
+  direction: int = 1,
 ) -> RingState:
   """Syncs with the ring neighbours and starts hop 0 of a ``kind`` phase on ``x`` (module
-  doc). ``n`` is the size of ``axis_name``."""
+  doc). ``n`` is the size of ``axis_name``; ``direction`` the ring's (+1: towards the next
+  coordinate, as the module doc describes; -1: the mirror image, sending to the previous)."""
   mesh_axes = tuple(mesh_axes)
   m = chunk_elements(kind, x, n, axis_name, mesh_axes)
+  if direction not in (1, -1):
+    raise ValueError(f"a ring's direction is +1 or -1, got {direction=}")
   itemsize = x.dtype.itemsize
-  kernel = functools.partial(_start_kernel, kind, axis_name, n, mesh_axes, m, itemsize)
+  kernel = functools.partial(_start_kernel, kind, direction, axis_name, n, mesh_axes, m, itemsize)
   buffer, send, recv = pl.pallas_call(
     kernel,
     out_shape=(torus_kernels._hbm_like(x, (n * m,)), _DMA_SEM, _DMA_SEM),
@@ -402,11 +433,11 @@ def ring_start(
       scratch_shapes=[pltpu.SemaphoreType.DMA(())],
     ),
     cost_estimate=_cost(kind, m, itemsize, "start"),
-    compiler_params=_params(kind, axis_name, n),
-    name=f"{pattern(kind)}_start_{axis_name}",
+    compiler_params=_params(kind, axis_name, n, direction),
+    name=f"{pattern(kind, direction)}_start_{axis_name}",
   )(torus_kernels.mesh_coordinates(mesh_axes), x)
   source = x if kind == "reduce_scatter" else None
-  return RingState(buffer, source, send, recv, kind, 0, axis_name, n, mesh_axes)
+  return RingState(buffer, source, send, recv, kind, 0, axis_name, n, mesh_axes, direction)
 
 
 def _continue(state: RingState, *, done: bool):
@@ -414,8 +445,9 @@ def _continue(state: RingState, *, done: bool):
   m, dtype = state.chunk, state.buffer.dtype
   hop = state.hop if done else state.hop + 1
   reduce = kind == "reduce_scatter"
+  direction = state.direction
   kernel = functools.partial(
-    _continue_kernel, kind, done, axis_name, n, mesh_axes, m, dtype.itemsize, hop
+    _continue_kernel, kind, direction, done, axis_name, n, mesh_axes, m, dtype.itemsize, hop
   )
   buffer_type = torus_kernels._hbm_like(state.buffer, state.buffer.shape)
   outputs = [buffer_type]
@@ -439,8 +471,8 @@ def _continue(state: RingState, *, done: bool):
     # Operand 0 is the coordinates; the buffer follows the reduce-scatter's x.
     input_output_aliases={2 if reduce else 1: 0},
     cost_estimate=_cost(kind, m, dtype.itemsize, "done" if done else "step"),
-    compiler_params=_params(kind, axis_name, n, barrier=not done),
-    name=f"{pattern(kind)}_{'done' if done else 'step'}_{axis_name}",
+    compiler_params=_params(kind, axis_name, n, direction, barrier=not done),
+    name=f"{pattern(kind, direction)}_{'done' if done else 'step'}_{axis_name}",
   )(torus_kernels.mesh_coordinates(mesh_axes), *operands)
   if done:
     return result[1] if reduce else result[0]
@@ -472,10 +504,19 @@ def pin(state, values):
   ``pin`` with the compute's results runs after that compute (the async note's remedy).
   Only the buffer goes through the barrier: the next call takes it, so that orders the
   call too."""
-  if isinstance(state, RingState):
-    buffer, values = lax.optimization_barrier((state.buffer, values))
-    return dataclasses.replace(state, buffer=buffer), values
-  return lax.optimization_barrier((state, values))
+  buffer, values = lax.optimization_barrier((buffer_of(state), values))
+  return with_buffer(state, buffer), values
+
+
+def buffer_of(state) -> jax.Array:
+  """The array a sequence's next call takes: the state's buffer, or the array a done call
+  returned (between phases)."""
+  return state.buffer if isinstance(state, RingState) else state
+
+
+def with_buffer(state, buffer: jax.Array):
+  """``state`` with ``buffer`` in place of ``buffer_of(state)``."""
+  return dataclasses.replace(state, buffer=buffer) if isinstance(state, RingState) else buffer
 
 
 def ring_phase(
@@ -486,8 +527,9 @@ def ring_phase(
   mesh_axes: Sequence[str],
   between: Callable[..., object] | None = None,
   operands=(),
+  direction: int = 1,
 ):
-  """One ``kind`` phase as start, ``n - 2`` steps and done.
+  """One ``kind`` phase as start, ``n - 2`` steps and done, in ``direction``.
 
   ``between(i, *operands)``, if given, runs after the ``i``-th call (``i`` in
   ``0 .. n - 2``) and before the next one, while hop ``i`` is on the link: ``operands`` go
@@ -496,7 +538,7 @@ def ring_phase(
   Returns the result, or ``(result, results)`` with the hook's ``n - 1`` results when
   ``between`` is given.
   """
-  state = ring_start(kind, x, axis_name, n, mesh_axes)
+  state = ring_start(kind, x, axis_name, n, mesh_axes, direction)
   results = []
   for i in range(n - 1):
     if between is not None:

@@ -269,14 +269,17 @@ def all_reduce(
 
 
 def split_all_reduce(x: jax.Array, axes: Sequence[str], torus: Sequence[int]):
-  """``[n] -> [n]`` as a ``split_collectives.SplitCollective`` (issued one call at a time):
-  ``x`` zero-padded to whole DMA words per device, the padding cut off again by
-  ``finish``. 32-bit types and 16-bit floats; bfloat16 travels as bfloat16."""
+  """``[n] -> [n]`` as a ``split_collectives.SplitCollective`` (issued one call at a time)
+  in the split torus variant (2N streams: every link of a chip busy): ``x`` zero-padded to
+  whole DMA words per device and stream, the padding cut off again by ``finish``. 32-bit
+  types and 16-bit floats; bfloat16 travels as bfloat16."""
   _check(x, axes, torus)
   mesh_axes, _ = _target()
+  axes_and_sizes = list(zip(axes, torus))
+  streams = split_collectives.stream_count("all_reduce", axes_and_sizes, "torus_split")
   n = x.size
-  padded = split_collectives.padded_elements(n, torus, x.dtype.itemsize)
+  padded = split_collectives.padded_elements(n, torus, x.dtype.itemsize, streams)
   flat = ensure_varying(jnp.pad(x, (0, padded - n)), tuple(axes))
   return split_collectives.SplitCollective(
-    "all_reduce", flat, list(zip(axes, torus)), mesh_axes, result_elements=n
+    "all_reduce", flat, axes_and_sizes, mesh_axes, result_elements=n, variant="torus_split"
   )

@@ -2,69 +2,131 @@
 
 A ``SplitCollective`` is a reduce-scatter, all-gather or all-reduce over one or more torus
 axes, built from the split ring phases of ``async_torus`` (each phase a start, ``n - 2``
-steps and a done), chained in the order of the paper's torus schedule
-(``schedule.build(kind, torus, "torus")``, one direction): a reduce-scatter along every
-axis in turn, each on the chunk the previous one left; an all-gather back along the axes
-in reverse; an all-reduce both. Between any two calls the DMAs of the last one are on the
-link, and whoever drives the sequence (``advance``) may place compute there, pinned to
-the sequence with ``pin``: how ``torus_collectives.overlap`` threads gradient summation
-through the backward pass.
+steps and a done), chained as the torus schedules chain them: a reduce-scatter along
+every axis in turn, each on the chunk the previous one left; an all-gather back along the
+axes in reverse; an all-reduce both. Between any two calls the DMAs of the last one are
+on the link, and whoever drives the sequence (``advance``) may place compute there,
+pinned to the sequence with ``pin``: how ``torus_collectives.overlap`` threads gradient
+summation through the backward pass.
+
+Streams (``variant``):
+
+* ``"torus"`` (one stream): the paper's schedule, ``schedule.build(kind, torus,
+  "torus")``: every phase in direction +1, one link of each chip busy at a time;
+* ``"torus_split"`` (the all-reduce only; 2N streams on N axes of more than one device):
+  the buffer is cut into 2N equal parts, and part ``(r, d)`` runs the chain over the axes
+  rotated by ``r`` in direction ``d``, the streams of ``schedule.build("all_reduce",
+  torus, "torus_split")``. Every ``advance`` issues the next call of every stream, so at
+  each step the streams' hops run on different (axis, direction) links at once (on a
+  torus whose axes have equal sizes; otherwise they drift out of phase), each with
+  ``1 / 2N`` of the bytes: all 2N links of a chip carry traffic, as in the blocking
+  kernels. Per-stream traffic is the ring's ``(n - 1) / n`` of its part per phase, so the
+  total is the torus schedule's.
 
 Axes are given as ``(name, size)`` pairs in the caller's order; the reduce-scatter of
 ``x`` over ``("x", "y")`` leaves device ``(i, j)`` chunk ``i * ny + j`` of the sum, as
 ``lax.psum_scatter(x, ("x", "y"), tiled=True)`` does, and the all-gather is its inverse.
 A phase of size 1 is skipped. The buffer must split into whole 512-byte DMA words per
-final chunk (``padded_elements``).
+final chunk of every stream (``padded_elements``).
 
-What this chaining does not do that the blocking kernels do: the phases run one after
-another over single rings in one direction, so one link of each chip carries traffic at a
-time (the blocking torus schedules interleave 2N streams over all 2N links). Per-phase
-traffic is the ring's ``(n - 1) / n`` of the phase's buffer, so the total is the same as
-the paper's torus schedule; the bandwidth of the other links is left unused. Nothing has
-run on a TPU (see ``async_torus``).
+Every device must issue the calls in the same order: streams (and, in each, phases) of
+one (kind, axis, direction) share that pattern's barrier semaphore, whose counts pair the
+``k``-th calls of all sequences of the pattern, which is right only if every device issues
+them in one order (see ``async_torus``). One program under ``shard_map`` does. Nothing
+has run on a TPU (see ``async_torus``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 from torus_collectives.kernels import async_torus
 from torus_collectives.kernels.buffer_layout import dma_alignment
 
 Collective = Literal["all_reduce", "reduce_scatter", "all_gather"]
+Variant = Literal["torus", "torus_split"]
 
 
-def padded_elements(elements: int, sizes: Sequence[int], itemsize: int) -> int:
-  """The smallest length ``>= elements`` that an all-reduce over axes of ``sizes`` takes:
-  a whole number of DMA words for every device's final chunk."""
-  unit = math.prod(sizes) * dma_alignment(itemsize)
+def _live_axes(axes) -> list[tuple[str, int]]:
+  return [(name, int(size)) for name, size in axes if int(size) > 1]
+
+
+def stream_count(collective: Collective, axes, variant: Variant = "torus") -> int:
+  """How many streams the collective runs in (module doc): 2N for the split all-reduce."""
+  live = _live_axes(axes)
+  if variant == "torus" or not live:
+    return 1
+  if collective != "all_reduce":
+    raise ValueError(
+      f'variant="torus_split" splits only the all-reduce (its result does not depend on '
+      f'the streams\' chunk orders); run the {collective} with variant="torus"'
+    )
+  return 2 * len(live)
+
+
+def padded_elements(elements: int, sizes: Sequence[int], itemsize: int, streams: int = 1) -> int:
+  """The smallest length ``>= elements`` that an all-reduce over axes of ``sizes`` in
+  ``streams`` streams takes: a whole number of DMA words for every final chunk."""
+  unit = streams * math.prod(sizes) * dma_alignment(itemsize)
   return -(-elements // unit) * unit
 
 
-def _phases(collective: Collective, axes) -> list[tuple[str, str, int]]:
-  axes = [(name, int(size)) for name, size in axes if int(size) > 1]
-  scatter = [("reduce_scatter", name, size) for name, size in axes]
-  gather = [("all_gather", name, size) for name, size in reversed(axes)]
+def _phases(collective: Collective, axes, direction: int = 1) -> list[tuple[str, str, int, int]]:
+  """(kind, axis name, size, direction) of each phase of one stream over ``axes``."""
+  scatter = [("reduce_scatter", name, size, direction) for name, size in axes]
+  gather = [("all_gather", name, size, direction) for name, size in reversed(axes)]
   return {"reduce_scatter": scatter, "all_gather": gather, "all_reduce": scatter + gather}[
     collective
   ]
+
+
+def _stream_phases(collective: Collective, axes, variant: Variant):
+  """Each stream's phases: one stream in order, or the 2N rotations and directions."""
+  live = _live_axes(axes)
+  if stream_count(collective, axes, variant) == 1:
+    return [_phases(collective, live)]
+  rotations = [live[r:] + live[:r] for r in range(len(live))]
+  return [_phases(collective, order, d) for order in rotations for d in (1, -1)]
+
+
+class _Stream:
+  """One stream's queue of calls and where it stands: the current ``RingState``, or
+  between phases (and at the end) the array the last done returned."""
+
+  def __init__(self, x, phases, mesh_axes):
+    self.value = x
+    self.calls: list[Callable] = []
+    for kind, name, n, direction in phases:
+      self.calls.append(
+        lambda value, kind=kind, name=name, n=n, d=direction: async_torus.ring_start(
+          kind, value, name, n, mesh_axes, d
+        )
+      )
+      self.calls += [async_torus.ring_step] * (n - 2)
+      self.calls.append(async_torus.ring_done)
+
+  def advance(self) -> None:
+    self.value = self.calls.pop(0)(self.value)
 
 
 class SplitCollective:
   """One collective as a queue of Pallas calls (module doc).
 
   ``result_elements``: the length ``finish`` returns, where ``x`` was padded.
-  ``advance()`` issues the next call, ``pin(values)`` ties ``values`` to the sequence
-  where it stands (what comes out is ready only after the last issued call, and the next
-  call waits for it), ``finish()`` issues every call left and returns the result. The
-  sequence holds the current ``async_torus.RingState`` (or, between phases, the array a
-  done call returned); nothing is computed until a call is issued. Calls are traced in
-  the order they are issued, so every device must drive its sequences the same way (they
-  do under ``shard_map``: the program is one).
+  ``advance()`` issues the next call of every stream, ``pin(values)`` ties ``values`` to
+  the sequence where it stands (what comes out is ready only after the last issued
+  calls, and the next calls wait for it), ``finish()`` issues every call left and returns
+  the result. Nothing is computed until a call is issued. Calls are traced in the order
+  they are issued, so every device must drive its sequences the same way (they do under
+  ``shard_map``: the program is one). With several streams, each stream's calls run in a
+  named scope ``stream_<s>`` (how ``bench.hlo_schedule`` tells them apart).
   """
 
   def __init__(
@@ -74,62 +136,78 @@ class SplitCollective:
     axes: Sequence[tuple[str, int]],
     mesh_axes,
     result_elements: int | None = None,
+    variant: Variant = "torus",
   ):
     self.collective = collective
     self.mesh_axes = tuple(mesh_axes)
     self.result_elements = result_elements
-    self._value = x
-    self._calls: list[Callable] = []
-    for kind, name, n in _phases(collective, axes):
-      self._calls.append(
-        lambda value, kind=kind, name=name, n=n: async_torus.ring_start(
-          kind, value, name, n, self.mesh_axes
-        )
-      )
-      self._calls += [async_torus.ring_step] * (n - 2)
-      self._calls.append(async_torus.ring_done)
-    self._check(x, axes)
+    self._check(x, axes, variant)
+    phases = _stream_phases(collective, axes, variant)
+    parts = jnp.split(x, len(phases)) if len(phases) > 1 else [x]
+    self._streams = [_Stream(part, p, self.mesh_axes) for part, p in zip(parts, phases)]
 
-  def _check(self, x, axes) -> None:
+  def _check(self, x, axes, variant) -> None:
     """Every phase's chunk is a whole number of DMA words (raises before any call)."""
     sizes = [int(size) for _, size in axes]
+    streams = stream_count(self.collective, axes, variant)
     total = x.shape[0] if x.ndim == 1 else -1
     if self.collective == "all_gather":
       total *= math.prod(sizes)
-    if total < 0 or total != padded_elements(total, sizes, x.dtype.itemsize):
-      unit = math.prod(sizes) * dma_alignment(x.dtype.itemsize)
+    if total < 0 or total != padded_elements(total, sizes, x.dtype.itemsize, streams):
+      unit = streams * math.prod(sizes) * dma_alignment(x.dtype.itemsize)
       raise ValueError(
-        f"a split {self.collective} over {list(axes)} takes a 1-D buffer whose full length "
-        f"is a multiple of {unit} elements (whole DMA words per device), got "
-        f"{x.dtype}{list(x.shape)}; pad it (split_collectives.padded_elements)"
+        f"a split {self.collective} over {list(axes)} in {streams} stream(s) takes a 1-D "
+        f"buffer whose full length is a multiple of {unit} elements (whole DMA words per "
+        f"device and stream), got {x.dtype}{list(x.shape)}; pad it "
+        "(split_collectives.padded_elements)"
       )
-    for _, name, _ in _phases(self.collective, axes):
+    for name, _ in _live_axes(axes):
       if name not in self.mesh_axes:
         raise ValueError(f"axis {name!r} is not one of mesh_axes={self.mesh_axes}")
 
   @property
+  def streams(self) -> int:
+    return len(self._streams)
+
+  @property
   def calls_left(self) -> int:
-    """Calls not yet issued; the collective is complete when this is 0."""
-    return len(self._calls)
+    """Calls not yet issued per stream (every stream has as many); the collective is
+    complete when this is 0."""
+    return len(self._streams[0].calls)
+
+  def _scope(self, s: int):
+    return jax.named_scope(f"stream_{s}") if len(self._streams) > 1 else contextlib.nullcontext()
 
   def advance(self) -> None:
-    """Issues the next call."""
-    if not self._calls:
+    """Issues the next call of every stream, then ties the streams together (one barrier
+    over their buffers), so that no stream's next call runs before every stream's call of
+    this step: XLA would otherwise be free to run one stream's chain after another's, on
+    one link at a time."""
+    if not self.calls_left:
       raise ValueError(f"the split {self.collective} has issued all its calls")
-    self._value = self._calls.pop(0)(self._value)
+    for s, stream in enumerate(self._streams):
+      with self._scope(s):
+        stream.advance()
+    if len(self._streams) > 1:
+      tied = lax.optimization_barrier([async_torus.buffer_of(st.value) for st in self._streams])
+      for stream, buffer in zip(self._streams, tied):
+        stream.value = async_torus.with_buffer(stream.value, buffer)
 
   def pin(self, values):
-    """``values`` through one optimization barrier with the sequence's in-flight buffer
+    """``values`` through one optimization barrier with each stream's in-flight buffer
     (``async_torus.pin``); returns them."""
-    self._value, values = async_torus.pin(self._value, values)
+    for stream in self._streams:
+      stream.value, values = async_torus.pin(stream.value, values)
     return values
 
   def finish(self) -> jax.Array:
     """Issues every call left; returns the collective's result (its first
     ``result_elements`` elements, if given: the length before padding)."""
-    while self._calls:
+    while self.calls_left:
       self.advance()
-    return self._value if self.result_elements is None else self._value[: self.result_elements]
+    values = [stream.value for stream in self._streams]
+    out = jnp.concatenate(values) if len(values) > 1 else values[0]
+    return out if self.result_elements is None else out[: self.result_elements]
 
 
 def run(
@@ -139,11 +217,12 @@ def run(
   mesh_axes: Sequence[str],
   between: Callable[..., object] | None = None,
   operands=(),
+  variant: Variant = "torus",
 ):
   """The whole collective, with ``between(i, *operands)`` (if given) in the window after
   the ``i``-th call, pinned on both sides as in ``async_torus.ring_phase``. Returns the
   result, or ``(result, results)`` with the hook's results."""
-  split = SplitCollective(collective, x, axes, mesh_axes)
+  split = SplitCollective(collective, x, axes, mesh_axes, variant=variant)
   results = []
   i = 0
   while split.calls_left:

@@ -13,6 +13,8 @@ Pallas calls, for the all-gather and the reduce-scatter along one axis.
   copied), for both kinds.
 """
 
+import dataclasses
+
 import aot_skip
 import harness
 import jax
@@ -40,10 +42,12 @@ DEVICES = 8
 SIDE = 128  # the matmul's operand, per device: [SIDE, SIDE]
 
 
-def _phase_and_compute(kind, mesh_shape, mesh_axes, axis, x, w, mode):
+def _phase_and_compute(kind, mesh_shape, mesh_axes, axis, x, w, mode, direction=1):
   """The split ``kind`` phase of each device's row of ``x`` with ``w_d @ w_d.T + i``
-  between calls ``i`` and ``i + 1``, and the ``lax`` reference, in
-  ``async_interpret_mode(mode)``."""
+  between calls ``i`` and ``i + 1``, in ``async_interpret_mode(mode)``, and the ``lax``
+  reference in a program of its own (a lax collective in the same program may run
+  concurrently with a split call on the CPU and deadlock against the interpreter's
+  waits)."""
   mesh = harness.mesh(mesh_shape, mesh_axes)
   n = mesh.shape[axis]
   reference = {
@@ -53,12 +57,20 @@ def _phase_and_compute(kind, mesh_shape, mesh_axes, axis, x, w, mode):
 
   def body(v, w):
     out, products = async_torus.ring_phase(
-      kind, v, axis, n, mesh_axes, between=lambda i, w: w @ w.T + i, operands=(w,)
+      kind,
+      v,
+      axis,
+      n,
+      mesh_axes,
+      between=lambda i, w: w @ w.T + i,
+      operands=(w,),
+      direction=direction,
     )
-    return out, jnp.stack(products), reference(v)
+    return out, jnp.stack(products)
 
   with async_interpret_mode(mode, deadlock_timeout_s=60.0):
-    return jax.block_until_ready(harness.per_device(body, mesh, x, w))
+    out, products = jax.block_until_ready(harness.per_device(body, mesh, x, w))
+  return out, products, harness.per_device(reference, mesh, x)
 
 
 def _expected_gather(x, mesh_shape, mesh_axes, axis):
@@ -117,6 +129,18 @@ def test_split_phase_matches_lax(mode, kind, case, dtype):
   np.testing.assert_array_equal(products, expected_products)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("kind", async_torus.KINDS)
+@pytest.mark.parametrize("mode", harness.DMA_MODES)
+def test_counter_clockwise_phase_matches_lax(mode, kind):
+  """``direction=-1``: every device sends to the previous coordinate; the same result."""
+  n, m = 8, 128
+  x = harness.small_integers((DEVICES, m if kind == "all_gather" else n * m), np.int32, seed=9)
+  w = harness.small_integers((DEVICES, SIDE, SIDE), np.float32, seed=4)
+  out, _, reference = _phase_and_compute(kind, (8,), ("x",), "x", x, w, mode, direction=-1)
+  np.testing.assert_array_equal(out, reference)
+
+
 def _waits_receive_only(self, x_ref, buffer_ref, hop, send, recv, *, remote=True):
   landed = self.landing(buffer_ref, hop)
   if remote:
@@ -138,18 +162,20 @@ def test_skipped_send_wait_is_reported(mode, kind, monkeypatch):
     _phase_and_compute(kind, (8,), ("x",), "x", x, w, mode)
 
 
+@pytest.mark.parametrize("direction", [1, -1])
 @pytest.mark.parametrize("kind", async_torus.KINDS)
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
-def test_chunks_follow_the_ring_schedule(n, kind):
+def test_chunks_follow_the_ring_schedule(n, kind, direction):
   """The chunk each position sends and receives at each hop is the schedule's
   (``Phase.send_slab`` / ``recv_slab`` of ``build(kind, (n,), "ring")``), each hop
   forwards what the last one brought, and over the hops a position receives every chunk
   but one exactly once: all but its own for the all-gather, all but the one it sends
   first for the reduce-scatter (it ends holding its own)."""
   (phases,) = schedule_lib.build(kind, (n,), "ring").streams
-  (phase,) = phases
+  phase = dataclasses.replace(phases[0], direction=direction)
   for p in range(n):
-    ring = async_torus._Ring(kind, "x", n, ("x",), np.array([p], np.int32), 128)
+    coords = np.array([p], np.int32)
+    ring = async_torus._Ring(kind, "x", n, ("x",), coords, 128, direction=direction)
     sent = [int(ring.sent(t)) for t in range(n - 1)]
     received = [int(ring.received(t)) for t in range(n - 1)]
     assert sent == [phase.send_slab(p, t, n) for t in range(n - 1)]
@@ -168,6 +194,8 @@ def test_collective_id_is_its_own(kind):
   schedule = schedule_lib.build(kind, (4,), "ring")
   cid = torus_kernels.collective_id(f"async_{kind}", ("y",), schedule)
   assert cid != torus_kernels.collective_id(kind, ("y",), schedule)
+  # The other direction signals the other neighbours: a barrier semaphore of its own.
+  assert cid != torus_kernels.collective_id(async_torus.pattern(kind, -1), ("y",), schedule)
   mesh = harness.mesh((2, 4), ("x", "y"))
   spec = P(("x", "y"))
   fn = jax.shard_map(

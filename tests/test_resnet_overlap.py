@@ -22,7 +22,7 @@ import torus_collectives as tc
 from resnet import models, optim, train, validation
 from resnet.configs import default
 
-BUCKET_BYTES = 160 * 1024  # four buckets of the tiny ResNet's 0.5 MB gradient
+BUCKET_BYTES = 320 * 1024  # two buckets of the tiny ResNet's 0.5 MB gradient
 
 
 def _two_steps(implementation: str, overlap: bool):

@@ -34,7 +34,7 @@ DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}
 MARKER = "split collectives on 4x4 match lax"
 
 
-def _run_all_three(mesh, x, mode):
+def _run_all_three(mesh, x, mode, variant="torus"):
   """The three split collectives of each device's row of ``x`` over all mesh axes (the
   all-reduce with ``2 v + i`` pinned after call ``i``), and their ``lax`` references."""
   names = mesh.axis_names
@@ -42,7 +42,7 @@ def _run_all_three(mesh, x, mode):
 
   def body(v):
     reduced, hooks = split_collectives.run(
-      "all_reduce", v, axes, names, between=lambda i, v: 2 * v + i, operands=(v,)
+      "all_reduce", v, axes, names, between=lambda i, v: 2 * v + i, operands=(v,), variant=variant
     )
     # The chains share barrier semaphores (one per pattern and axis), so every device must
     # issue their calls in one order; data dependencies fix it (interpret mode runs
@@ -50,21 +50,21 @@ def _run_all_three(mesh, x, mode):
     _, v = lax.optimization_barrier((reduced, v))
     scattered = split_collectives.run("reduce_scatter", v, axes, names)
     gathered = split_collectives.run("all_gather", scattered, axes, names)
-    references = (
-      lax.psum(v, names),
-      lax.psum_scatter(v, names, tiled=True),
-      lax.all_gather(lax.psum_scatter(v, names, tiled=True), names, tiled=True),
-    )
-    return (reduced, scattered, gathered), jnp.stack(hooks), references
+    return (reduced, scattered, gathered), jnp.stack(hooks)
+
+  def references(v):  # a program of its own (see test_async_torus._phase_and_compute)
+    scattered = lax.psum_scatter(v, names, tiled=True)
+    return lax.psum(v, names), scattered, lax.all_gather(scattered, names, tiled=True)
 
   with async_interpret_mode(mode, deadlock_timeout_s=60.0):
-    return jax.block_until_ready(harness.per_device(body, mesh, x))
+    results, hooks = jax.block_until_ready(harness.per_device(body, mesh, x))
+  return results, hooks, harness.per_device(references, mesh, x)
 
 
-def _check_all_three(mesh, dtype, mode, elements_per_device=8 * 256):
+def _check_all_three(mesh, dtype, mode, elements_per_device=8 * 256, variant="torus"):
   devices = mesh.devices.size
   x = harness.small_integers((devices, elements_per_device), np.float32, seed=5).astype(dtype)
-  results, hooks, references = _run_all_three(mesh, x, mode)
+  results, hooks, references = _run_all_three(mesh, x, mode, variant)
   for result, reference in zip(results, references):
     assert result.dtype == x.dtype
     np.testing.assert_array_equal(result, reference)
@@ -86,6 +86,41 @@ def _check_all_three(mesh, dtype, mode, elements_per_device=8 * 256):
 @pytest.mark.parametrize("mode", harness.DMA_MODES)
 def test_split_collectives_match_lax(mode, case, dtype):
   _check_all_three(harness.mesh(*MESHES[case]), DTYPES[dtype], mode)
+
+
+SPLIT_CASES = [  # every mesh and dtype in both DMA modes, each pair once
+  ("eager", "2x4", "float32"),
+  ("on_wait", "2x4", "bfloat16"),
+  ("on_wait", "2x2x2", "float32"),
+  ("eager", "2x2x2", "bfloat16"),
+  ("eager", "8", "bfloat16"),
+  ("on_wait", "8", "float32"),
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("mode, case, dtype", SPLIT_CASES, ids=["-".join(c) for c in SPLIT_CASES])
+def test_split_torus_all_reduce_matches_lax(mode, case, dtype):
+  """The 2N-stream all-reduce (each stream rotated over the axes, in both directions):
+  on 2x4 four streams, on 2x2x2 six, on a ring of 8 two (the bidirectional ring)."""
+  mesh = harness.mesh((8,), ("x",)) if case == "8" else harness.mesh(*MESHES[case])
+  streams = split_collectives.stream_count("all_reduce", mesh.shape.items(), "torus_split")
+  assert streams == 2 * len(mesh.axis_names)
+  _check_all_three(mesh, DTYPES[dtype], mode, streams * 8 * 256, variant="torus_split")
+
+
+def test_split_torus_streams_follow_the_schedule():
+  """The streams' phases are those of ``schedule.build("all_reduce", torus, "torus_split")``,
+  one part of the buffer each, and only the all-reduce splits."""
+  axes = [("x", 2), ("y", 4)]
+  expected = [
+    [(p.kind, axes[p.axis][0], p.direction) for p in stream]
+    for stream in schedule_lib.build("all_reduce", (2, 4), "torus_split").streams
+  ]
+  streams = split_collectives._stream_phases("all_reduce", axes, "torus_split")
+  assert sorted([(kind, name, d) for kind, name, _, d in s] for s in streams) == sorted(expected)
+  with pytest.raises(ValueError, match="splits only the all-reduce"):
+    split_collectives.stream_count("reduce_scatter", axes, "torus_split")
 
 
 @pytest.mark.interpret
@@ -112,12 +147,13 @@ def test_two_all_reduces_in_flight_at_once(mode):
       products.append(first.pin(second.pin(product)))
       if first.calls_left:
         first.advance()
-    return first.finish(), second.finish(), lax.psum(a, ("x", "y")), lax.psum(b, ("x", "y"))
+    return first.finish(), second.finish()
 
   with async_interpret_mode(mode, deadlock_timeout_s=60.0):
-    first, second, first_ref, second_ref = jax.block_until_ready(
-      harness.per_device(body, mesh, a, b, w)
-    )
+    first, second = jax.block_until_ready(harness.per_device(body, mesh, a, b, w))
+  first_ref, second_ref = harness.per_device(
+    lambda a, b: (lax.psum(a, ("x", "y")), lax.psum(b, ("x", "y"))), mesh, a, b
+  )
   np.testing.assert_array_equal(first, first_ref)
   np.testing.assert_array_equal(second, second_ref)
   np.testing.assert_array_equal(first[0], a.sum(axis=0))
@@ -181,4 +217,7 @@ if __name__ == "__main__":
   sys.path.insert(0, os.getcwd())
   _check_all_three(harness.mesh((4, 4), ("x", "y")), np.float32, "eager", 16 * 256)
   _check_all_three(harness.mesh((4, 4), ("x", "y")), jnp.bfloat16, "on_wait", 16 * 256)
+  _check_all_three(
+    harness.mesh((4, 4), ("x", "y")), np.float32, "eager", 4 * 16 * 256, "torus_split"
+  )
   print(MARKER)
