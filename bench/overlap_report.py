@@ -237,6 +237,14 @@ def report(
       f"{1e3 * sum(r.modelled_s for r in others):.3f} ms modelled, "
       f"{1e3 * sum(r.exposed_s for r in others):.3f} ms exposed"
     )
+    ops = hlo_schedule.entry_ops(compiled_text)
+    chains = hlo_schedule.split_chains(ops)
+    if chains:
+      problems = hlo_schedule.split_schedule_problems(ops)
+      lines.append(
+        f"split collectives: {len(chains)} chains of {sum(map(len, chains))} calls; "
+        f"schedule problems: {'; '.join(problems) if problems else 'none'}"
+      )
     lines.append(
       f"{generation} clock {clock_hz / 1e6:.0f} MHz, calibrated on a bf16 matmul at peak; "
       "compiler estimates and the cost model, not measurements"

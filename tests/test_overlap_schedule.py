@@ -197,3 +197,66 @@ def test_the_report_counts_the_data_parallel_collectives():
   assert overlap_report.is_data_parallel(op("{'x','y'}", ""), mesh_axes)  # combined by XLA
   assert not overlap_report.is_data_parallel(op("{'x'}", ""), mesh_axes)
   assert not overlap_report.is_data_parallel(op("{'x','y'}", "jit(f)/BatchNorm_0/pmean"), mesh_axes)
+
+
+def _split_call(name, call, operands, bucket="bucket_0"):
+  """A split all-gather call along "x" (``kernels.async_torus``) in a bucket's scope."""
+  result = "f32[4096]{0}" if call == "done" else "(f32[4096]{0}, s32[]{:S(2)}, s32[]{:S(2)})"
+  return (
+    f'  %{name} = {result} custom-call({operands}), custom_call_target="tpu_custom_call", '
+    f'metadata={{op_name="jit(step)/gradient_summation/{bucket}/async_all_gather_{call}_x/'
+    f'pallas_call"}}'
+  )
+
+
+def _split_program(done_operand="%get-tuple-element.2", conv_cycles=(1500, 1000)):
+  return _program(
+    "  %p = f32[1024]{0} parameter(0)",
+    "  %c = s32[1]{0} parameter(1)",
+    _split_call("start", "start", "%c, %p"),
+    "  %get-tuple-element.1 = f32[4096]{0} get-tuple-element(%start), index=0",
+    _fusion("fusion.1", conv_cycles[0], "%p"),
+    _split_call("step", "step", "%c, %get-tuple-element.1"),
+    "  %get-tuple-element.2 = f32[4096]{0} get-tuple-element(%step), index=0",
+    _fusion("fusion.2", conv_cycles[1], "%fusion.1"),
+    "  %copy.1 = f32[4096]{0} copy(%get-tuple-element.2)",
+    _split_call("done", "done", f"%c, {done_operand}"),
+  )
+
+
+def test_a_split_chain_is_priced_hop_by_hop():
+  """Each call but the done starts a 2 us hop; the next call waits for what the compute
+  since did not cover: 1.5 us of compute leave 0.5 us of the first hop, 1 us leave 1 us
+  of the second. One row for the chain."""
+  ops = hlo_schedule.entry_ops(_split_program())
+  assert [hlo_schedule.split_call(op) for op in ops if hlo_schedule.split_call(op)] == [
+    ("all_gather", "start", "x"),
+    ("all_gather", "step", "x"),
+    ("all_gather", "done", "x"),
+  ]
+  assert hlo_schedule.split_chains(ops) == [[2, 5, 9]]
+  timeline = hlo_schedule.timeline(ops, CLOCK, _price)
+  (row,) = timeline.rows
+  assert (row.name, row.kind, row.nbytes) == ("start", "split", 4096 + 4)
+  assert row.modelled_s == pytest.approx(4e-6)
+  assert row.covered_s == pytest.approx(2.5e-6)
+  assert row.exposed_s == pytest.approx(1.5e-6)
+  assert timeline.step_s == pytest.approx(4e-6)
+  assert hlo_schedule.split_schedule_problems(ops) == []
+
+
+def test_split_schedule_problems_name_a_copied_buffer_and_an_empty_window():
+  copied = hlo_schedule.entry_ops(_split_program(done_operand="%copy.1"))
+  assert hlo_schedule.split_schedule_problems(copied) == [
+    "done takes its buffer from copy.1, not in place"
+  ]
+  # The same chain with both convolutions of the forward pass: nothing of the backward
+  # pass inside its window (and one backward convolution after it).
+  text = _split_program().replace("transpose(jvp(Net))", "jvp(Net)")
+  text = text.replace(
+    _split_call("done", "done", "%c, %get-tuple-element.2"),
+    _split_call("done", "done", "%c, %get-tuple-element.2") + "\n" + _fusion("fusion.3", 10, "%p"),
+  )
+  assert hlo_schedule.split_schedule_problems(hlo_schedule.entry_ops(text)) == [
+    "start: no backward convolution between its first and last call"
+  ]

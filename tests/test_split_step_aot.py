@@ -1,0 +1,75 @@
+"""The threaded gradient summation's compiled schedule, ahead of time per TPU generation.
+
+A four-layer convolutional network's data-parallel step (``tc.value_and_summed_grad`` with
+the split Pallas all-reduce, two buckets of two kernels) is compiled for v5e, v6e, v4 and
+a 3-D v5p mesh (needs libtpu). In the scheduled program (``bench.hlo_schedule``):
+
+* each bucket runs 2N streams, each a chain of start, steps and done per phase;
+* the first bucket's chains start before a backward convolution and finish after one
+  (the second bucket holds the first layer's kernel, produced by the last backward
+  convolution: nothing is left to overlap it);
+* every step and done takes its buffer from the previous call in place: no copy of a
+  buffer that DMAs are writing (``split_schedule_problems``).
+"""
+
+import aot_skip
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import torus_collectives as tc
+
+pytestmark = [pytest.mark.aot, pytest.mark.timeout(600, method="thread")]
+
+CHANNELS, LAYERS = 128, 4
+KERNEL_BYTES = 3 * 3 * CHANNELS * CHANNELS * 4
+TOPOLOGIES = {  # name: (topology, mesh shape or None for the square 2-D mesh)
+  "v5e": ("v5e:2x2", None),
+  "v6e": ("v6e:2x2", None),
+  "v4": ("v4:2x2x1", None),
+  "v5p-3d": ("v5p:2x2x2", (2, 2, 2)),
+}
+
+
+def _loss(params, x):
+  h = x
+  for w in params:
+    dims = ("NHWC", "HWIO", "NHWC")
+    h = jax.nn.relu(jax.lax.conv_general_dilated(h, w, (1, 1), "SAME", dimension_numbers=dims))
+  return jnp.mean(h**2)
+
+
+@pytest.mark.parametrize("generation", list(TOPOLOGIES))
+def test_every_bucket_but_the_last_overlaps_a_backward_convolution(generation):
+  pytest.importorskip("libtpu", reason=aot_skip.REASON)
+  from bench import aot_report, hlo_schedule
+
+  topology, shape = TOPOLOGIES[generation]
+  mesh = aot_report.topology_mesh(topology, shape)
+  axes = mesh.axis_names
+  live_axes = [a for a in axes if mesh.shape[a] > 1]
+
+  def step(params, x):
+    summed = tc.value_and_summed_grad(_loss, axes, bucket_bytes=2 * KERNEL_BYTES)
+    return summed(params, x)[1]
+
+  replicated = NamedSharding(mesh, P())
+  params = [jax.ShapeDtypeStruct((3, 3, CHANNELS, CHANNELS), jnp.float32, sharding=replicated)]
+  params *= LAYERS
+  x = jax.ShapeDtypeStruct(
+    (8 * mesh.devices.size, 32, 32, CHANNELS), jnp.float32, sharding=NamedSharding(mesh, P(axes))
+  )
+  fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(axes)), out_specs=P()))
+  ops = hlo_schedule.entry_ops(fn.lower(params, x).compile().as_text())
+
+  chains = hlo_schedule.split_chains(ops)
+  streams = 2 * len(live_axes)
+  calls = sum(2 * mesh.shape[a] for a in live_axes)  # a start to a done per phase
+  assert [len(c) for c in chains] == [calls] * (2 * streams), chains
+  assert hlo_schedule.split_schedule_problems(ops) == []
+  backward = [i for i, op in enumerate(ops) if hlo_schedule.is_backward_convolution(op)]
+  first = sorted(chains, key=lambda c: c[0])[:streams]  # the first bucket's streams
+  for chain in first:
+    assert any(chain[0] < i < chain[-1] for i in backward), (chain, backward)
