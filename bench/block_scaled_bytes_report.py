@@ -33,7 +33,6 @@ import os
 # Compile for TPU topologies on the host's CPU: no TPU backend is needed or wanted.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse
 import dataclasses
 import pathlib
 import time
@@ -45,7 +44,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
-from bench import aot_report
+from bench import aot_report, markdown_report
 from torus_collectives import schedule as schedule_lib
 from torus_collectives.kernels import quantized_kernels as qk
 from torus_collectives.layout import ceil_div
@@ -179,14 +178,7 @@ def report(configs=CONFIGS) -> tuple[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="markdown file")
-  args = parser.parse_args(argv)
-  text, seconds = report()
-  print(text)
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(text)
-  print(f"wrote {args.out} ({seconds:.0f} s)")
+  markdown_report.main(argv, __doc__.split("\n\n")[0], DEFAULT_OUT, report)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
-import argparse
 import dataclasses
 import itertools
 import pathlib
@@ -48,6 +47,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from bench import markdown_report
 from torus_collectives import quantization
 from torus_collectives.backends import shard_map as backend
 
@@ -234,14 +234,7 @@ def report(seed: int = 0) -> tuple[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="markdown file")
-  args = parser.parse_args(argv)
-  text, seconds = report()
-  print(text)
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(text)
-  print(f"wrote {args.out} ({seconds:.0f} s)")
+  markdown_report.main(argv, __doc__.split("\n\n")[0], DEFAULT_OUT, report)
 
 
 if __name__ == "__main__":
