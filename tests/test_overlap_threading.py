@@ -8,10 +8,12 @@
   flight at once.
 * In the traced program, each bucket's start comes after the equation producing its last
   leaf and before at least one later backward matmul, and its done after that matmul.
+* The operand pin's ancestry walk stops at non-fusible equations and at its limit.
 * Other implementations ("xla", "auto") are ``value_and_grad`` then
   ``all_reduce_gradients``, unchanged.
 """
 
+import itertools
 import re
 
 import harness
@@ -24,7 +26,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
-from torus_collectives import overlap
+from torus_collectives import inlining, overlap
 
 pytestmark = pytest.mark.timeout(300, method="thread")
 
@@ -156,3 +158,32 @@ def test_refuses_unknown_implementation_and_integer_gradients():
 
 def test_exported_from_the_package():
   assert tc.value_and_summed_grad is overlap.value_and_summed_grad
+
+
+def test_an_operands_fusible_ancestry_stops_at_its_frontier(monkeypatch):
+  """``_ancestry`` walks back through elementwise and layout equations only: for
+  ``max(cumsum(x) * s, 0) @ w`` the matmul's left operand is computed by the multiply
+  and the maximum, from the frontier ``s`` (a program input) and the ``cumsum`` (not
+  fusible); the limit turns the rest of a long chain into frontier."""
+
+  def fun(x, s, w):
+    return jnp.maximum(jnp.cumsum(x, axis=1) * s, 0.0) @ w
+
+  args = (jnp.ones((4, 8)), jnp.ones((4, 8)), jnp.ones((8, 2)))
+  closed = jax.make_jaxpr(fun)(*args)
+  counter = itertools.count()
+  in_keys = [next(counter) for _ in args]
+  eqns, _ = inlining.inline(closed.jaxpr, closed.consts, in_keys, counter, {})
+  producer = {key: item for item in eqns for key in item.outs}
+  produced_at = {key: i for i, item in enumerate(eqns) for key in item.outs}
+  (matmul,) = [item for item in eqns if item.eqn.primitive.name == "dot_general"]
+  (cumsum,) = [item for item in eqns if item.eqn.primitive.name == "cumsum"]
+  chain, frontier = overlap._ancestry(matmul.ins[0], producer, produced_at)
+  assert [link.eqn.primitive.name for link in chain] == ["mul", "max"]
+  assert sorted(frontier) == sorted([cumsum.outs[0], in_keys[1]])
+  chain, frontier = overlap._ancestry(matmul.ins[1], producer, produced_at)
+  assert (chain, frontier) == ([], [in_keys[2]])
+  monkeypatch.setattr(overlap, "ANCESTRY_LIMIT", 1)
+  chain, frontier = overlap._ancestry(matmul.ins[0], producer, produced_at)
+  (multiply,) = [item for item in eqns if item.eqn.primitive.name == "mul"]
+  assert ([link.eqn.primitive.name for link in chain], frontier) == (["max"], list(multiply.outs))

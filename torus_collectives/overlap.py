@@ -17,20 +17,29 @@ its DMAs are on the link):
 3. The equations are evaluated in program order. As soon as the equation that produces a
    bucket's last leaf has run, the bucket is packed into one flat buffer and its split
    all-reduce is started (its first call issued).
-4. Around every *heavy* equation (``HEAVY``: a convolution or a matmul) while collectives
-   are in flight, the equation's operands pass through an optimization barrier with each
-   in-flight buffer (so it runs after the last call issued), its results through another
-   (so the next call waits for it), and then every in-flight collective issues its next
-   call. So each window between two calls of a collective holds one backward
-   convolution's work: XLA cannot move it out, because the barriers are data
-   dependencies (the async note's remedy; ``async_torus.pin``). Equations that
-   communicate (lax collectives such as the batch norms' sums, the package's primitives,
-   Pallas kernels) are pinned the same way without advancing, and each bucket starts
-   after the last of them so far, so their order relative to the split calls is the
-   program's on every device (lax collectives keep program order among themselves, the
-   Pallas calls too, but not relative to each other on a runtime that runs independent
-   ops concurrently: the CPU interpreter); the value and aux come out of a barrier with
-   the final sums.
+4. While collectives are in flight, the calls are tied to the backward pass by
+   optimization barriers with the in-flight buffers (the async note's remedy;
+   ``async_torus.pin``), which are data dependencies XLA cannot reorder:
+
+   * *operand side*: each *heavy* equation (``HEAVY``: a convolution or a matmul) reads
+     one operand rebuilt from pinned values, so it runs after the last call issued. Not
+     the operand itself: a barrier there would stop XLA fusing the operand's elementwise
+     producers (the batch norm's scale, the ReLU mask, a pad) into the convolution. The
+     operand's fusible ancestry (``FUSIBLE`` equations) is replayed on its frontier
+     values, the outputs of the non-fusible equations before it, pinned; of the
+     operands, the one whose frontier is fewest bytes.
+   * *result side*: when an equation computes a gradient leaf from heavy work done since
+     the last call, the leaf passes a barrier (so the next call waits for that work) and
+     every in-flight collective issues its next call. A backward layer's weight gradient
+     is its last convolution, so each window between two calls holds about one layer.
+
+   Equations that communicate (lax collectives such as the batch norms' sums, the
+   package's primitives, Pallas kernels) are pinned on both sides without advancing,
+   and each bucket starts after the last of them so far, so their order relative to the
+   split calls is the program's on every device (lax collectives keep program order
+   among themselves, the Pallas calls too, but not relative to each other on a runtime
+   that runs independent ops concurrently: the CPU interpreter); the value and aux come
+   out of a barrier with the final sums.
 5. After the last equation, every collective still in flight issues the calls it has
    left; the sums are unpacked, scaled (``mean``) and cast back to the leaves' dtypes.
 
@@ -48,13 +57,14 @@ Assumptions and limits:
   scheduled by XLA: ``torus_collectives.xla_settings``).
 * Only the default transport (the leaves' own dtype); ``transport_dtype`` and error
   feedback go through ``all_reduce_gradients``.
-* The pins cost fusion: XLA cannot fuse a pinned convolution with its producers and
-  consumers, and by the compiler's estimate a ResNet-50 step on v5e:16x16 computes for
-  30.7 ms instead of 20.8 ms, more than the exposed communication saved
-  (``bench.overlap_report --grad-overlap on``). Pinning only the gradient leaves (which are
-  materialized anyway) costs little, but leaves XLA free to hoist the backward compute
-  before the calls, so it was not adopted. Until a pin that costs no fusion exists,
-  threading is a schedule to measure, not a speed-up.
+* The pins still cost some fusion. By the compiler's estimate, ResNet-18 on v5e:2x4 (batch
+  8 per replica) computes for 3.12 ms threaded against 2.95 ms blocking; pinning every
+  heavy equation's operands and results cost 3.98 ms (``bench.overlap_report
+  --grad-overlap on``). What remains is mostly pad and slice fusions split at a pinned
+  frontier, and batch-norm reductions grouped differently.
+* A window holds what the program computes between two gradient leaves, whatever its
+  length: a hop longer than the window is partly exposed, and a bucket that starts after
+  the last convolution is wholly exposed.
 * Heavy equations inside a loop (``scan``, ``while``) or a ``cond`` are one equation here:
   a scanned model's backward pass gives one window, not one per layer.
 * Every device must issue the calls in one order: one program under ``shard_map`` does;
@@ -89,6 +99,15 @@ from torus_collectives.gradients import (
 # The equations whose work a window between two collective calls holds: the backward
 # pass's convolutions and matmuls (everything else is cheap beside them).
 HEAVY = frozenset({"conv_general_dilated", "dot_general"})
+# The equations XLA fuses into a convolution's or a matmul's operand (elementwise maths,
+# casts, layout changes): a pin placed before them would cut that fusion.
+FUSIBLE = frozenset(
+  "add sub mul div max min neg exp log rsqrt sqrt abs sign tanh logistic integer_pow square"
+  " convert_element_type select_n and or not eq ne lt le gt ge broadcast_in_dim reshape"
+  " squeeze expand_dims transpose rev pad copy copy_p".split()
+)
+# The most fusible equations an operand's replayed ancestry may hold.
+ANCESTRY_LIMIT = 64
 
 
 def value_and_summed_grad(
@@ -161,6 +180,7 @@ class _Threaded:
     split_at = len(outs) - len(grad_leaves)
     value_atoms, grad_atoms = outs[:split_at], outs[split_at:]
     produced_at = {key: position for position, item in enumerate(eqns) for key in item.outs}
+    producer = {key: item for item in eqns for key in item.outs}
     where = [produced_at.get(a, -1) if isinstance(a, int) else -1 for a in grad_atoms]
     order = sorted(range(len(grad_atoms)), key=lambda i: (where[i], i))
     buckets = packing.buckets_by_size(grad_leaves, self.bucket_bytes, order)
@@ -170,18 +190,27 @@ class _Threaded:
     def gradient(i):
       return _read(env, grad_atoms[i])
 
+    leaf_keys = {a for a in grad_atoms if isinstance(a, int)}
+    window: set[int] = set()  # what heavy work computed since the last advance
     self._start_ready(buckets, ready_after, -1, gradient)
     for position, item in enumerate(eqns):
       operands = [_read(env, atom) for atom in item.ins]
       name = item.eqn.primitive.name
-      pinned = self.in_flight and (name in HEAVY or _communicates(name))
-      if pinned:
+      communicates = bool(self.in_flight) and _communicates(name)
+      heavy = bool(self.in_flight) and name in HEAVY
+      if communicates:
         operands = self._pin(operands)
+      elif heavy:
+        operands = self._pin_frontier(item, operands, env, producer, produced_at)
       results = _evaluate(item.eqn, operands)
-      if pinned:
+      if communicates:
         results = self._pin(results)
-        if name in HEAVY:
+      if heavy or any(a in window for a in item.ins if isinstance(a, int)):
+        window.update(item.outs)
+        if any(k in leaf_keys for k in item.outs):
+          results = self._pin(results)
           self._advance()
+          window.clear()
       if _communicates(name):
         self.last_communicated = [r for r in results if isinstance(r, jax.Array)]
       env.update(zip(item.outs, results))
@@ -230,11 +259,60 @@ class _Threaded:
       values[i] = v
     return values
 
+  def _pin_frontier(self, item, operands, env, producer, produced_at):
+    """The heavy equation ``item``'s operands, one of them rebuilt after the last call
+    issued: of the operands' fusible ancestries (``_ancestry``), the one whose frontier
+    is fewest bytes is replayed on its frontier values, pinned. The convolution still
+    fuses with the replayed chain (a pin on the operand itself would cut that fusion),
+    and it cannot run before the call, since everything it reads passed the barrier."""
+    best = None
+    for i, atom in enumerate(item.ins):
+      if not isinstance(atom, int):
+        continue
+      chain, frontier = _ancestry(atom, producer, produced_at)
+      cost = sum(_nbytes(env[k]) for k in frontier)
+      if best is None or cost < best[0]:
+        best = (cost, i, chain, frontier)
+    if best is None:
+      return operands
+    _, i, chain, frontier = best
+    local = dict(zip(frontier, self._pin([env[k] for k in frontier])))
+    for link in chain:
+      ins = [local[a] if isinstance(a, int) and a in local else _read(env, a) for a in link.ins]
+      local.update(zip(link.outs, _evaluate(link.eqn, ins)))
+    operands = list(operands)
+    operands[i] = local[item.ins[i]]
+    return operands
+
   def _advance(self) -> None:
     for _, split in self.in_flight:
       if split.calls_left:
         with self._scope(split):
           split.advance()
+
+
+def _ancestry(key, producer, produced_at) -> tuple[list, list[int]]:
+  """(the ``FUSIBLE`` equations that compute ``key``, in program order; the keys they
+  read that no such equation produced, the frontier: outputs of other equations, program
+  inputs and constants). At most ``ANCESTRY_LIMIT`` equations; past it, the rest is
+  frontier."""
+  chain, frontier, seen, stack = {}, [], set(), [key]
+  while stack:
+    k = stack.pop()
+    if k in seen:
+      continue
+    seen.add(k)
+    item = producer.get(k)
+    if item is None or item.eqn.primitive.name not in FUSIBLE or len(chain) >= ANCESTRY_LIMIT:
+      frontier.append(k)
+      continue
+    chain[id(item)] = item
+    stack.extend(a for a in item.ins if isinstance(a, int))
+  return sorted(chain.values(), key=lambda it: produced_at[it.outs[0]]), frontier
+
+
+def _nbytes(value) -> int:
+  return math.prod(jnp.shape(value)) * jnp.result_type(value).itemsize
 
 
 def _communicates(name: str) -> bool:
