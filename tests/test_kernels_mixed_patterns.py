@@ -19,7 +19,14 @@ Two checks:
   "gradient" there is two blocks per stream with a padded tail. One iteration on 4x4
   keeps the suite's longest interpret-mode run to a couple of minutes;
 * every pallas_call of that program, including those inside the scan body, carries a
-  collective id that no kernel of another (kind, axes, torus) pattern uses.
+  collective id that no kernel of another (kind, axes, torus) pattern uses;
+* a split torus all-reduce (``kernels.split_collectives``: a bucket in flight) with the
+  blocking kernels of the step between its calls -- the batch-norm ring on ``y``, the 2-D
+  all-reduce, reduce-scatter and all-gather -- runs through the split-call extension
+  (``async_interpret``) in both DMA modes, race detector on, and matches lax exactly on
+  integers; the extension's exit checks that every semaphore a split call returned was
+  waited back to zero. Its split calls carry collective ids that no blocking kernel uses,
+  and one id per pattern.
 
 Interpret mode does not reproduce the hazard itself: it runs each device's kernel body as
 host callbacks and is not a timing model, so a device cannot reliably overtake its
@@ -28,6 +35,7 @@ kernel kind, whatever its axes).
 """
 
 import os
+import re
 import sys
 
 import harness
@@ -35,12 +43,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from async_interpret import async_interpret_mode
 from device_count_subprocess import run_as_script
 from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
+from torus_collectives.kernels import split_collectives
 
 AXES = ("x", "y")
 CHANNELS = 24  # per-channel statistics of the batch-norm group sum
@@ -110,13 +120,25 @@ def run_and_compare(mesh, iterations: int, dma_mode: str, multi_block: bool) -> 
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def _kernel_patterns(jaxpr, mesh) -> dict[int, set]:
+  """collective id -> the (kernel name, streams) patterns of the pallas_calls using it:
+  streams is the first dimension of the kernel's first DMA semaphore array (1 for a
+  single semaphore, as a split call's)."""
+  from bench import aot_report  # kernels inside the torus primitives, as the report finds them
+
+  ids: dict[int, set] = {}
+  for eqn in aot_report.pallas_calls(jaxpr, mesh):
+    cid = eqn.params["compiler_params"].collective_id
+    sems = [v.aval.shape for v in eqn.params["jaxpr"].invars if "dma_sem" in str(v.aval)]
+    ids.setdefault(cid, set()).add((eqn.params["name"], sems[0][0] if sems and sems[0] else 1))
+  return ids
+
+
 @pytest.mark.parametrize("shape", [(2, 4), (4, 4)])
 def test_each_pattern_has_its_own_collective_id(shape):
   """Kernel names and their axes, against their collective ids, over the whole program.
 
   Tracing only (no kernel runs), so 4x4 works on an abstract mesh of 16 devices."""
-  from bench import aot_report  # kernels inside the torus primitives, as the report finds them
-
   mesh = jax.sharding.AbstractMesh(shape, AXES, axis_types=(AxisType.Auto,) * 2)
   p = shape[0] * shape[1]
   x = jax.ShapeDtypeStruct((p, p * CHANNELS * 3), jnp.int32)
@@ -127,21 +149,98 @@ def test_each_pattern_has_its_own_collective_id(shape):
     out_specs=P(AXES),
     check_vma=False,
   )
-  ids: dict[int, set] = {}
   with harness.interpret_mode():
-    jaxpr = jax.make_jaxpr(fn)(x).jaxpr
-    for eqn in aot_report.pallas_calls(jaxpr, mesh):
-      cid = eqn.params["compiler_params"].collective_id
-      # The kernel's pattern: its name (kind and axes) and its number of streams (1 or the
-      # split schedule's, which use different links): the first dimension of its DMA
-      # semaphore arrays.
-      sems = [v.aval.shape for v in eqn.params["jaxpr"].invars if "dma_sem" in str(v.aval)]
-      ids.setdefault(cid, set()).add((eqn.params["name"], sems[0][0]))
+    ids = _kernel_patterns(jax.make_jaxpr(fn)(x).jaxpr, mesh)
   patterns = [pattern for group in ids.values() for pattern in group]
   # ring y, ring x, 2-D torus with one stream and 2-D torus split in four, each as a
   # reduce-scatter and an all-gather kernel.
   assert len(set(patterns)) == 8, ids
   assert all(len(group) == 1 for group in ids.values()), ids
+
+
+def split_between_blocking(g, v):
+  """A split all-reduce of ``g`` (four streams, as the gradient's) with the step's blocking
+  kernels on ``v`` between its calls, each pinned to the split sequence where it stands
+  (every device issues them in one order). Returns the split result and the blocking
+  kernels' results."""
+  axes = [(name, lax.axis_size(name)) for name in AXES]
+  split = split_collectives.SplitCollective("all_reduce", g, axes, AXES, variant="torus_split")
+  ar = lambda u, over: tc.all_reduce(u, over, implementation="pallas")
+  blocking = [
+    lambda u: ar(u.reshape(-1, CHANNELS).sum(0), "y"),
+    lambda u: ar(u, AXES),
+    lambda u: tc.all_gather(
+      tc.reduce_scatter(u, AXES, tiled=True, implementation="pallas"),
+      AXES,
+      tiled=True,
+      implementation="pallas",
+    ),
+  ]
+  results = []
+  split.advance()
+  for kernel in blocking:
+    (u,) = split.pin([v])
+    (out,) = split.pin([kernel(u)])
+    results.append(out)
+    split.advance()
+  return split.finish(), results
+
+
+def split_between_blocking_reference(g, v):
+  stats = lax.psum(v.reshape(-1, CHANNELS).sum(0), "y")
+  return lax.psum(g, AXES), [stats, lax.psum(v, AXES), lax.psum(v, AXES)]
+
+
+def _split_inputs(p: int):
+  g = np.random.default_rng(2).integers(
+    -8, 8, size=(p, 4 * p * 8 * LANES)
+  )  # 4 streams of whole words
+  return jnp.asarray(g, jnp.int32), _inputs(p)
+
+
+def _per_device(fn, mesh, *xs):
+  body = lambda *vs: jax.tree.map(lambda r: r[None], fn(*(v[0] for v in vs)))
+  specs = tuple(P(AXES) for _ in xs)
+  return jax.jit(
+    jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(AXES), check_vma=False)
+  )(*xs)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("mode", harness.DMA_MODES)
+def test_split_calls_between_blocking_kernels_match_lax(mode):
+  mesh = harness.mesh((2, 4))
+  g, v = _split_inputs(mesh.size)
+  with async_interpret_mode(mode, deadlock_timeout_s=60.0):
+    got = jax.block_until_ready(_per_device(split_between_blocking, mesh, g, v))
+  want = _per_device(split_between_blocking_reference, mesh, g, v)  # a program of its own
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(np.asarray(got[0][0]), np.asarray(g).sum(axis=0))
+
+
+def test_split_calls_and_blocking_kernels_use_distinct_ids():
+  mesh = jax.sharding.AbstractMesh((2, 4), AXES, axis_types=(AxisType.Auto,) * 2)
+  g, v = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in _split_inputs(8))
+  body = lambda g, v: split_between_blocking(g[0], v[0])[0][None]
+  fn = jax.shard_map(
+    body, mesh=mesh, in_specs=(P(AXES), P(AXES)), out_specs=P(AXES), check_vma=False
+  )
+  with async_interpret_mode("eager"):
+    ids = _kernel_patterns(jax.make_jaxpr(fn)(g, v).jaxpr, mesh)
+  # A split pattern's start and step calls share its barrier id; its done uses none.
+  dones = ids.pop(None)
+  assert all(re.fullmatch(r"async_\w+_done_\w+", name) for name, _ in dones), dones
+  pattern = lambda name: re.sub(r"_(start|step)_", "_", name)
+  split_ids = {cid for cid, group in ids.items() if all(n.startswith("async_") for n, _ in group)}
+  blocking_ids = {
+    cid for cid, group in ids.items() if all(n.startswith("torus_") for n, _ in group)
+  }
+  assert split_ids and blocking_ids and split_ids | blocking_ids == set(ids), ids
+  assert all(len({pattern(name) for name, _ in group}) == 1 for group in ids.values()), ids
+  # ring y and the 2-D torus, each as a reduce-scatter and an all-gather kernel; the split
+  # all-reduce's reduce-scatter and all-gather phases on x and on y, in both directions.
+  assert len(blocking_ids) == 4 and len(split_ids) == 8, ids
 
 
 @pytest.mark.interpret
