@@ -258,3 +258,37 @@ def test_short_real_run_on_cpu_records_xla(tmp_path, monkeypatch, bucket_sizes):
   (saved,) = tables.Table.from_json(path.read_text()).entries
   assert saved == entry
   assert _traced(bucket_sizes, _params()) == ("xla", result.bucket_bytes)  # "auto": XLA
+
+
+def _threaded_program(bucket_sizes, **kwargs):
+  """(the program ``value_and_summed_grad(_loss, "auto" unless told)`` traces over the
+  2x4 mesh, TPU interpret mode on so that "pallas" runs here; the bucket sizes packed)."""
+  from async_interpret import async_interpret_mode
+
+  mesh = harness.mesh((2, 4))
+  step = tc.value_and_summed_grad(_loss, AXES, **{"implementation": "auto", **kwargs})
+  body = lambda p, x, y: step(p, x, y)[1]
+  f = jax.shard_map(
+    body, mesh=mesh, in_specs=(jax.P(), jax.P(AXES), jax.P(AXES)), out_specs=jax.P()
+  )
+  bucket_sizes.clear()
+  with async_interpret_mode("eager"):
+    program = str(jax.make_jaxpr(f)(_params(), *_batch()))
+  return program, list(bucket_sizes)
+
+
+def test_auto_in_value_and_summed_grad_threads_what_the_step_entry_measured(bucket_sizes):
+  """A "pallas" step entry: the split calls (``async_*``) inside the backward pass, at the
+  entry's bucket size unless the caller's; a "shard_map" one: ``all_reduce_gradients``
+  with it after the backward pass; none: "auto" as ``all_reduce_gradients`` decides."""
+  tables.use_table(_step_table("pallas@2048"))
+  program, sizes = _threaded_program(bucket_sizes)
+  assert "async_all_gather_done" in program and sizes == [2048]
+  program, sizes = _threaded_program(bucket_sizes, bucket_bytes=SMALL_BUCKET)
+  assert "async_all_gather_done" in program and sizes == [SMALL_BUCKET]
+  tables.use_table(_step_table(FAST_SMALL))
+  program, sizes = _threaded_program(bucket_sizes)
+  assert "async_" not in program and "impl=shard_map" in program and sizes == [SMALL_BUCKET]
+  tables.use_table(None)
+  program, sizes = _threaded_program(bucket_sizes)
+  assert "async_" not in program and "torus_all_reduce" not in program and sizes == [DEFAULT]

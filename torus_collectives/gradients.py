@@ -81,9 +81,12 @@ def _check_arguments(leaves, bucket_bytes) -> None:
       )
 
 
-def _request(wire: list[jax.Array], torus: tuple[int, ...], block_scaled: bool) -> registry.Request:
-  """The gradient summation as one request: its bytes on the wire, over ``torus``, looked
-  up for the dtype that carries most of them."""
+def summation_request(
+  wire: list, torus: tuple[int, ...], block_scaled: bool = False
+) -> registry.Request:
+  """The gradient summation of the leaves ``wire`` (arrays or their shapes, as sent) as
+  one request: its bytes on the wire, over ``torus``, looked up for the dtype that
+  carries most of them."""
   nbytes = sum(w.size * w.dtype.itemsize for w in wire)
   dtype = max(wire, key=lambda w: w.size * w.dtype.itemsize).dtype if wire else jnp.float32
   dtypes = tuple(dict.fromkeys([jnp.dtype(dtype), *(w.dtype for w in wire)]))
@@ -189,7 +192,7 @@ def all_reduce_gradients(
   scale = 1.0 / math.prod(torus) if mean else 1.0
   with jax.named_scope(GRADIENT_SCOPE):
     wire = [leaf if cast is None else leaf.astype(cast) for leaf in leaves]
-    request = _request(wire, torus, block_scaled=transport is not None)
+    request = summation_request(wire, torus, block_scaled=transport is not None)
     for seen in _recorders:
       seen.append(request)
     step = registry.tuned_step(request) if implementation == "auto" else None

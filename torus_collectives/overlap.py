@@ -55,6 +55,11 @@ Assumptions and limits:
   .split_all_reduce``: today "pallas"). Any other implementation is run as
   ``value_and_grad`` followed by ``all_reduce_gradients``, unchanged (XLA's collectives are
   scheduled by XLA: ``torus_collectives.xla_settings``).
+* "auto" runs what a whole-step tuning (``tuning.tune_step``) measured for this gradient
+  tree (``registry.tuned_step``, keyed as ``all_reduce_gradients`` keys it): threaded
+  where the measured implementation has split collectives, with the measured bucket size
+  unless the caller gave one, since a ``make_step`` built on this function timed the
+  threaded form; otherwise ``all_reduce_gradients(implementation="auto")``.
 * Only the default transport (the leaves' own dtype); ``transport_dtype`` and error
   feedback go through ``all_reduce_gradients``.
 * The pins still cost some fusion. By the compiler's estimate, ResNet-18 on v5e:2x4 (batch
@@ -94,6 +99,7 @@ from torus_collectives.gradients import (
   DEFAULT_BUCKET_BYTES,
   GRADIENT_SCOPE,
   all_reduce_gradients,
+  summation_request,
 )
 
 # The equations whose work a window between two collective calls holds: the backward
@@ -128,20 +134,22 @@ def value_and_summed_grad(
 
   def run(params, *args):
     registry.check_name(implementation)
-    if implementation == "auto" or registry.runs_lax(implementation):
-      split_all_reduce = None
-    else:
-      split_all_reduce = registry.collective_backend(implementation).split_all_reduce
-    if split_all_reduce is None:
-      value, grads = grad_fn(params, *args)
-      return value, all_reduce_gradients(
-        grads, axis_name, mean=mean, bucket_bytes=bucket_bytes, implementation=implementation
-      )
     names = axes.names(axis_name)
     sizes = tuple(lax.axis_size(a) for a in names)
     closed, (value_shapes, grad_shapes) = jax.make_jaxpr(grad_fn, return_shape=True)(params, *args)
     grad_leaves, grad_tree = jax.tree.flatten(grad_shapes)
-    threaded = _Threaded(split_all_reduce, names, sizes, bucket_bytes or DEFAULT_BUCKET_BYTES)
+    chosen, chosen_bucket = implementation, bucket_bytes
+    if implementation == "auto":  # threaded where a whole-step tuning measured it so
+      step = registry.tuned_step(summation_request(grad_leaves, sizes))
+      chosen, tuned_bucket = step or ("auto", None)
+      chosen_bucket = tuned_bucket if bucket_bytes is None else bucket_bytes
+    split_all_reduce = _split_all_reduce(chosen)
+    if split_all_reduce is None:
+      value, grads = grad_fn(params, *args)
+      return value, all_reduce_gradients(
+        grads, axis_name, mean=mean, bucket_bytes=chosen_bucket, implementation=chosen
+      )
+    threaded = _Threaded(split_all_reduce, names, sizes, chosen_bucket or DEFAULT_BUCKET_BYTES)
     value_leaves, summed = threaded.run(closed, jax.tree.leaves((params, *args)), grad_leaves)
     scale = 1.0 / math.prod(sizes) if mean else 1.0
     grads = [
@@ -151,6 +159,14 @@ def value_and_summed_grad(
     return value, jax.tree.unflatten(grad_tree, grads)
 
   return run
+
+
+def _split_all_reduce(implementation: str):
+  """The split all-reduce of a concrete ``implementation``, or None where it has none
+  (then the summation is ``all_reduce_gradients`` after the backward pass)."""
+  if implementation == "auto" or registry.runs_lax(implementation):
+    return None
+  return registry.collective_backend(implementation).split_all_reduce
 
 
 class _Threaded:

@@ -47,7 +47,10 @@ The algorithm (``tune_step``):
    and size bucket (exactly: no other size inherits it) runs the entry's implementation,
    and its bucket size unless the caller passed ``bucket_bytes`` (``registry.tuned_step``).
    Where no step entry applies, or ``bitwise_as_lax`` is on, or the choice cannot run
-   the call, "auto" decides as before.
+   the call, "auto" decides as before. ``value_and_summed_grad(...,
+   implementation="auto")`` reads the same entry and threads the summation through the
+   backward pass where the entry's implementation has split collectives, as a step built
+   on it was timed.
 """
 
 from __future__ import annotations
@@ -142,7 +145,10 @@ def tune_step(
   Args:
     make_step: ``make_step(implementation, bucket_bytes)`` returns the step, a callable
       of ``*args`` (jitted), that sums its gradients with ``all_reduce_gradients(...,
-      implementation=implementation, bucket_bytes=bucket_bytes)``.
+      implementation=implementation, bucket_bytes=bucket_bytes)``, or computes them with
+      ``value_and_summed_grad`` of those arguments: then what is timed for an
+      implementation with split collectives ("pallas") is the summation threaded through
+      the backward pass, and "auto" in ``value_and_summed_grad`` runs it threaded.
     args: the step's arguments (a representative batch, state); not donated.
     mesh: set as the ambient mesh (``jax.set_mesh``) while the steps are traced and
       timed; None: whatever the steps use themselves.
