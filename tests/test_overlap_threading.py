@@ -8,7 +8,9 @@
   flight at once.
 * In the traced program, each bucket's start comes after the equation producing its last
   leaf and before at least one later backward matmul, and its done after that matmul.
-* The operand pin's ancestry walk stops at non-fusible equations and at its limit.
+* The operand pin's ancestry walk stops at non-fusible equations and at its limit; the
+  advance points are the leaves computed from new work, and each collective's calls
+  spread evenly over the points left after its start.
 * Other implementations ("xla", "auto") are ``value_and_grad`` then
   ``all_reduce_gradients``, unchanged.
 """
@@ -187,3 +189,60 @@ def test_an_operands_fusible_ancestry_stops_at_its_frontier(monkeypatch):
   chain, frontier = overlap._ancestry(matmul.ins[0], producer, produced_at)
   (multiply,) = [item for item in eqns if item.eqn.primitive.name == "mul"]
   assert ([link.eqn.primitive.name for link in chain], frontier) == (["max"], list(multiply.outs))
+
+
+class _CountingSplit:
+  """A stand-in for a split collective: how many calls it has left, and at which advance
+  point each one was issued."""
+
+  def __init__(self, calls):
+    self.calls_left, self.issued_at, self.position = calls, [], None
+
+  def advance(self):
+    self.calls_left -= 1
+    self.issued_at.append(self.position)
+
+
+@pytest.mark.parametrize(
+  "calls, points, expected",
+  [
+    (4, 8, [2, 4, 6, 8]),  # one call every other window, the last at the last point
+    (3, 3, [1, 2, 3]),
+    (6, 4, [1, 2, 3, 4]),  # more calls than windows: one a window, the rest at the end
+    (2, 0, []),  # no window left: everything at the end
+  ],
+)
+def test_calls_spread_evenly_over_the_points_left(calls, points, expected):
+  threaded = overlap._Threaded(None, AXES, (2, 4), BUCKET_BYTES)
+  split = _CountingSplit(calls)
+  threaded.in_flight = [([0], split)]
+  threaded.pacing = {id(split): (calls, list(range(1, points + 1)))}
+  for position in range(1, points + 1):
+    split.position = position
+    threaded._advance_due(position)
+  assert split.issued_at == expected
+  assert split.calls_left == calls - len(expected)
+
+
+def test_advance_points_are_leaves_computed_from_new_work():
+  """In the three-layer network's backward pass: each weight's gradient (a matmul, then
+  its transpose) and the offset's (a sum) is a point; none comes at or before the
+  position given (the first bucket's start)."""
+  x, params = _inputs()
+  closed = jax.make_jaxpr(jax.grad(_loss))(params, x)
+  counter = itertools.count()
+  in_keys = [next(counter) for _ in jax.tree.leaves((params, x))]
+  eqns, outs = inlining.inline(closed.jaxpr, closed.consts, in_keys, counter, {})
+  leaf_keys = {a for a in outs if isinstance(a, int)}
+  points = overlap._advance_points(eqns, leaf_keys, -1)
+  producer = {key: item for item in eqns for key in item.outs}
+
+  def work(item):  # the equation a layout change (the weight gradient's transpose) reads
+    while item.eqn.primitive.name in overlap.LAYOUT:
+      item = producer[item.ins[0]]
+    return item.eqn.primitive.name
+
+  names = [work(eqns[p]) for p in points]
+  assert sorted(names) == ["dot_general"] * 3 + ["reduce_sum"], names
+  assert all(any(k in leaf_keys for k in eqns[p].outs) for p in points)
+  assert overlap._advance_points(eqns, leaf_keys, max(points)) == []

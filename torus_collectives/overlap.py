@@ -28,10 +28,15 @@ its DMAs are on the link):
      operand's fusible ancestry (``FUSIBLE`` equations) is replayed on its frontier
      values, the outputs of the non-fusible equations before it, pinned; of the
      operands, the one whose frontier is fewest bytes.
-   * *result side*: when an equation computes a gradient leaf from heavy work done since
-     the last call, the leaf passes a barrier (so the next call waits for that work) and
-     every in-flight collective issues its next call. A backward layer's weight gradient
-     is its last convolution, so each window between two calls holds about one layer.
+   * *result side*: the *advance points* (``_advance_points``) are the equations that
+     compute a gradient leaf from work done since the previous point (a weight gradient's
+     convolution, a batch norm's scale and offset gradients): about three a layer. At
+     each, the leaf passes a barrier (so the next call waits for the window's work) and
+     each in-flight collective issues its next call if it is due: a collective with
+     ``C`` calls left when it starts, ``T`` points before the end, issues ``j * C // T``
+     by its ``j``-th point. So its calls spread evenly over the windows left, one a
+     window at most (two calls in one window would leave the first one's hop nothing
+     to overlap), and the last is issued at the last point.
 
    Equations that communicate (lax collectives such as the batch norms' sums, the
    package's primitives, Pallas kernels) are pinned on both sides without advancing,
@@ -63,13 +68,16 @@ Assumptions and limits:
 * Only the default transport (the leaves' own dtype); ``transport_dtype`` and error
   feedback go through ``all_reduce_gradients``.
 * The pins still cost some fusion. By the compiler's estimate, ResNet-18 on v5e:2x4 (batch
-  8 per replica) computes for 3.12 ms threaded against 2.95 ms blocking; pinning every
-  heavy equation's operands and results cost 3.98 ms (``bench.overlap_report
-  --grad-overlap on``). What remains is mostly pad and slice fusions split at a pinned
-  frontier, and batch-norm reductions grouped differently.
-* A window holds what the program computes between two gradient leaves, whatever its
-  length: a hop longer than the window is partly exposed, and a bucket that starts after
-  the last convolution is wholly exposed.
+  8 per replica) computes for 3.11 ms threaded against 2.95 ms blocking, and its step
+  takes 3.84 ms against 4.00 ms (``bench.overlap_report --grad-overlap on``); pinning
+  every heavy equation's operands and results cost 3.98 ms of compute, and pinning the
+  batch-norm reductions' operands as well 4.30 ms. What remains is mostly pad and slice
+  fusions split at a pinned frontier, and batch-norm reductions grouped differently.
+* The windows are counted, not timed: a hop longer than its window is partly exposed.
+  Every bucket has the same number of calls whatever its size (two phases of ``n - 1``
+  hops per axis), so one started with fewer points left than calls issues the rest
+  back to back at the end, and one that starts after the last convolution (the first
+  layers' gradients) is wholly exposed.
 * Heavy equations inside a loop (``scan``, ``while``) or a ``cond`` are one equation here:
   a scanned model's backward pass gives one window, not one per layer.
 * Every device must issue the calls in one order: one program under ``shard_map`` does;
@@ -111,6 +119,10 @@ FUSIBLE = frozenset(
   "add sub mul div max min neg exp log rsqrt sqrt abs sign tanh logistic integer_pow square"
   " convert_element_type select_n and or not eq ne lt le gt ge broadcast_in_dim reshape"
   " squeeze expand_dims transpose rev pad copy copy_p".split()
+)
+# Equations that move no data of their own (XLA makes them bitcasts or fuses them).
+LAYOUT = frozenset(
+  "reshape squeeze expand_dims broadcast_in_dim convert_element_type transpose copy copy_p".split()
 )
 # The most fusible equations an operand's replayed ancestry may hold.
 ANCESTRY_LIMIT = 64
@@ -207,26 +219,25 @@ class _Threaded:
       return _read(env, grad_atoms[i])
 
     leaf_keys = {a for a in grad_atoms if isinstance(a, int)}
-    window: set[int] = set()  # what heavy work computed since the last advance
+    first_start = min(ready_after, default=len(eqns))
+    self.points = _advance_points(eqns, leaf_keys, first_start)
+    self.pacing: dict[int, tuple[int, list[int]]] = {}  # split -> (calls left, its points)
+    points = set(self.points)
     self._start_ready(buckets, ready_after, -1, gradient)
     for position, item in enumerate(eqns):
       operands = [_read(env, atom) for atom in item.ins]
       name = item.eqn.primitive.name
       communicates = bool(self.in_flight) and _communicates(name)
-      heavy = bool(self.in_flight) and name in HEAVY
       if communicates:
         operands = self._pin(operands)
-      elif heavy:
+      elif self.in_flight and name in HEAVY:
         operands = self._pin_frontier(item, operands, env, producer, produced_at)
       results = _evaluate(item.eqn, operands)
       if communicates:
         results = self._pin(results)
-      if heavy or any(a in window for a in item.ins if isinstance(a, int)):
-        window.update(item.outs)
-        if any(k in leaf_keys for k in item.outs):
-          results = self._pin(results)
-          self._advance()
-          window.clear()
+      if position in points:
+        results = self._pin(results)
+        self._advance_due(position)
       if _communicates(name):
         self.last_communicated = [r for r in results if isinstance(r, jax.Array)]
       env.update(zip(item.outs, results))
@@ -262,6 +273,7 @@ class _Threaded:
       if split.calls_left:
         with self._scope(split):
           split.advance()
+      self.pacing[id(split)] = (split.calls_left, [p for p in self.points if p > position])
 
   def _pin(self, values):
     """``values`` (their traced arrays; literals pass) through a barrier with each
@@ -300,11 +312,38 @@ class _Threaded:
     operands[i] = local[item.ins[i]]
     return operands
 
-  def _advance(self) -> None:
+  def _advance_due(self, position: int) -> None:
+    """At the advance point ``position``, issues the next call of each in-flight
+    collective that is due. A collective started with ``C`` calls left before ``T``
+    points has issued ``j * C // T`` of them by its ``j``-th point: its calls spread
+    evenly over the windows left, one call a window at most (two calls in one window
+    would leave the first one's hop nothing to overlap)."""
     for _, split in self.in_flight:
-      if split.calls_left:
+      calls, points = self.pacing[id(split)]
+      passed = sum(1 for p in points if p <= position)
+      if split.calls_left and calls - split.calls_left < passed * calls // len(points):
         with self._scope(split):
           split.advance()
+
+
+def _advance_points(eqns, leaf_keys, first_start: int) -> list[int]:
+  """The positions after ``first_start`` of the equations that compute a gradient leaf
+  from work done since the previous such position (work: an equation that is not a
+  layout change, ``LAYOUT``, or what derives from one): where the calls may advance, so
+  that each window between two of them holds some of the backward pass."""
+  window: set[int] = set()
+  points = []
+  for position, item in enumerate(eqns):
+    if position <= first_start:
+      continue
+    if item.eqn.primitive.name not in LAYOUT or any(
+      isinstance(a, int) and a in window for a in item.ins
+    ):
+      window.update(item.outs)
+      if any(k in leaf_keys for k in item.outs):
+        points.append(position)
+        window.clear()
+  return points
 
 
 def _ancestry(key, producer, produced_at) -> tuple[list, list[int]]:
