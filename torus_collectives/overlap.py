@@ -45,8 +45,8 @@ its DMAs are on the link):
    among themselves, the Pallas calls too, but not relative to each other on a runtime
    that runs independent ops concurrently: the CPU interpreter); the value and aux come
    out of a barrier with the final sums.
-5. After the last equation, every collective still in flight issues the calls it has
-   left; the sums are unpacked, scaled (``mean``) and cast back to the leaves' dtypes.
+5. After the last equation, the collectives still in flight issue the calls they have
+   left, one call of each in turn (so that their hops overlap one another's); the sums are unpacked, scaled (``mean``) and cast back to the leaves' dtypes.
 
 The result is that of ``jax.value_and_grad(fun)`` followed by
 ``all_reduce_gradients(grads, axis_name, mean=mean, bucket_bytes=bucket_bytes,
@@ -116,16 +116,19 @@ HEAVY = frozenset({"conv_general_dilated", "dot_general"})
 # The equations XLA fuses into a convolution's or a matmul's operand (elementwise maths,
 # casts, layout changes): a pin placed before them would cut that fusion.
 FUSIBLE = frozenset(
-  "add sub mul div max min neg exp log rsqrt sqrt abs sign tanh logistic integer_pow square"
-  " convert_element_type select_n and or not eq ne lt le gt ge broadcast_in_dim reshape"
-  " squeeze expand_dims transpose rev pad copy copy_p".split()
+  "add add_any sub mul div max min neg exp log rsqrt sqrt abs sign tanh logistic"
+  " integer_pow square convert_element_type select_n and or not eq ne lt le gt ge"
+  " broadcast_in_dim reshape squeeze expand_dims transpose rev pad slice copy copy_p"
+  " pvary".split()
 )
 # Equations that move no data of their own (XLA makes them bitcasts or fuses them).
 LAYOUT = frozenset(
   "reshape squeeze expand_dims broadcast_in_dim convert_element_type transpose copy copy_p".split()
 )
-# The most fusible equations an operand's replayed ancestry may hold.
-ANCESTRY_LIMIT = 64
+# The most fusible equations an operand's replayed ancestry may hold: past it, the rest is
+# pinned as frontier and materialized (a ResNet-50 batch norm's backward chain holds a
+# few hundred; at 64 its broadcasts were materialized, 0.9 ms of compute on v5e).
+ANCESTRY_LIMIT = 512
 
 
 def value_and_summed_grad(
@@ -242,6 +245,13 @@ class _Threaded:
         self.last_communicated = [r for r in results if isinstance(r, jax.Array)]
       env.update(zip(item.outs, results))
       self._start_ready(buckets, ready_after, position, gradient)
+    # The calls left after the last point, one of each collective in turn: their hops
+    # overlap one another's rather than queueing bucket after bucket.
+    while any(split.calls_left for _, split in self.in_flight):
+      for _, split in self.in_flight:
+        if split.calls_left:
+          with self._scope(split):
+            split.advance()
     summed: dict[int, jax.Array] = {}
     for bucket, split in self.in_flight:
       with self._scope(split):
