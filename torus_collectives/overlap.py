@@ -46,7 +46,8 @@ its DMAs are on the link):
    that runs independent ops concurrently: the CPU interpreter); the value and aux come
    out of a barrier with the final sums.
 5. After the last equation, the collectives still in flight issue the calls they have
-   left, one call of each in turn (so that their hops overlap one another's); the sums are unpacked, scaled (``mean``) and cast back to the leaves' dtypes.
+   left, one call of each in turn (so that their hops overlap one another's); the sums
+   are unpacked, scaled (``mean``) and cast back to the leaves' dtypes.
 
 The result is that of ``jax.value_and_grad(fun)`` followed by
 ``all_reduce_gradients(grads, axis_name, mean=mean, bucket_bytes=bucket_bytes,
@@ -245,13 +246,7 @@ class _Threaded:
         self.last_communicated = [r for r in results if isinstance(r, jax.Array)]
       env.update(zip(item.outs, results))
       self._start_ready(buckets, ready_after, position, gradient)
-    # The calls left after the last point, one of each collective in turn: their hops
-    # overlap one another's rather than queueing bucket after bucket.
-    while any(split.calls_left for _, split in self.in_flight):
-      for _, split in self.in_flight:
-        if split.calls_left:
-          with self._scope(split):
-            split.advance()
+    self._finish_in_turn()
     summed: dict[int, jax.Array] = {}
     for bucket, split in self.in_flight:
       with self._scope(split):
@@ -321,6 +316,15 @@ class _Threaded:
     operands = list(operands)
     operands[i] = local[item.ins[i]]
     return operands
+
+  def _finish_in_turn(self) -> None:
+    """The calls left after the last point, one of each collective in turn: their hops
+    overlap one another's rather than queueing bucket after bucket."""
+    while any(split.calls_left for _, split in self.in_flight):
+      for _, split in self.in_flight:
+        if split.calls_left:
+          with self._scope(split):
+            split.advance()
 
   def _advance_due(self, position: int) -> None:
     """At the advance point ``position``, issues the next call of each in-flight
