@@ -198,22 +198,17 @@ def _split_inputs(p: int):
   return jnp.asarray(g, jnp.int32), _inputs(p)
 
 
-def _per_device(fn, mesh, *xs):
-  body = lambda *vs: jax.tree.map(lambda r: r[None], fn(*(v[0] for v in vs)))
-  specs = tuple(P(AXES) for _ in xs)
-  return jax.jit(
-    jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(AXES), check_vma=False)
-  )(*xs)
-
-
 @pytest.mark.interpret
 @pytest.mark.parametrize("mode", harness.DMA_MODES)
 def test_split_calls_between_blocking_kernels_match_lax(mode):
   mesh = harness.mesh((2, 4))
   g, v = _split_inputs(mesh.size)
   with async_interpret_mode(mode, deadlock_timeout_s=60.0):
-    got = jax.block_until_ready(_per_device(split_between_blocking, mesh, g, v))
-  want = _per_device(split_between_blocking_reference, mesh, g, v)  # a program of its own
+    got = jax.block_until_ready(
+      harness.per_device(split_between_blocking, mesh, g, v, check_vma=False)
+    )
+  # a program of its own
+  want = harness.per_device(split_between_blocking_reference, mesh, g, v, check_vma=False)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   np.testing.assert_array_equal(np.asarray(got[0][0]), np.asarray(g).sum(axis=0))

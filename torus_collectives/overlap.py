@@ -68,12 +68,14 @@ Assumptions and limits:
   threaded form; otherwise ``all_reduce_gradients(implementation="auto")``.
 * Only the default transport (the leaves' own dtype); ``transport_dtype`` and error
   feedback go through ``all_reduce_gradients``.
-* The pins still cost some fusion. By the compiler's estimate, ResNet-18 on v5e:2x4 (batch
-  8 per replica) computes for 3.11 ms threaded against 2.95 ms blocking, and its step
-  takes 3.84 ms against 4.00 ms (``bench.overlap_report --grad-overlap on``); pinning
-  every heavy equation's operands and results cost 3.98 ms of compute, and pinning the
-  batch-norm reductions' operands as well 4.30 ms. What remains is mostly pad and slice
-  fusions split at a pinned frontier, and batch-norm reductions grouped differently.
+* The pins still cost some fusion. By the compiler's estimate, ResNet-50 on v5e:2x4 (batch
+  32 per replica) computes for 22.42 ms threaded against 20.76 ms blocking
+  (``bench.overlap_report --model resnet50 --batch 32 --grad-overlap on`` and ``off``):
+  mostly convolution fusions (+0.6 ms) and copies of the gradient leaves pinned at the
+  advance points (+0.37 ms). On ResNet-18 (v5e:2x4, batch 8) an earlier form of these
+  pins computed for 3.11 ms against blocking's 2.95 ms; pinning every heavy equation's
+  operands and results cost 3.98 ms, and pinning the batch-norm reductions' operands as
+  well 4.30 ms.
 * The windows are counted, not timed: a hop longer than its window is partly exposed.
   Every bucket has the same number of calls whatever its size (two phases of ``n - 1``
   hops per axis), so one started with fewer points left than calls issues the rest
@@ -150,6 +152,11 @@ def value_and_summed_grad(
 
   def run(params, *args):
     registry.check_name(implementation)
+    if implementation != "auto" and _split_all_reduce(implementation) is None:
+      value, grads = grad_fn(params, *args)
+      return value, all_reduce_gradients(
+        grads, axis_name, mean=mean, bucket_bytes=bucket_bytes, implementation=implementation
+      )
     names = axes.names(axis_name)
     sizes = tuple(lax.axis_size(a) for a in names)
     closed, (value_shapes, grad_shapes) = jax.make_jaxpr(grad_fn, return_shape=True)(params, *args)
@@ -193,6 +200,8 @@ class _Threaded:
     self.bucket_bytes = bucket_bytes
     self.in_flight: list[tuple[list[int], Any]] = []  # (leaf indices, SplitCollective)
     self.last_communicated: list[jax.Array] = []  # results of the last such equation
+    self.points: list[int] = []  # the advance points (``_advance_points``)
+    self.pacing: dict[int, tuple[int, list[int]]] = {}  # split -> (calls left, its points)
 
   @contextlib.contextmanager
   def _scope(self, split):
@@ -225,7 +234,6 @@ class _Threaded:
     leaf_keys = {a for a in grad_atoms if isinstance(a, int)}
     first_start = min(ready_after, default=len(eqns))
     self.points = _advance_points(eqns, leaf_keys, first_start)
-    self.pacing: dict[int, tuple[int, list[int]]] = {}  # split -> (calls left, its points)
     points = set(self.points)
     self._start_ready(buckets, ready_after, -1, gradient)
     for position, item in enumerate(eqns):
