@@ -193,30 +193,34 @@ def _train_step(
   # broadcast already sums the gradient over the mesh, and averaging it again would train
   # on the sum of the replicas' gradients instead of their mean.
   per_replica = lax.pcast(params, axes, to="varying")
-  if value_and_averaged_grad is not None:  # the mean, summed during the backward pass
-    (loss, (logits, batch_stats)), grads = value_and_averaged_grad(loss_fn, axes)(per_replica)
+
+  def apply_mean_gradient(grads):
+    updates, opt_state = tx.update(grads, state.opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+  if value_and_averaged_grad is not None:
+    # The mean, summed during the backward pass, and the optimizer's step of each bucket's
+    # leaves while the later buckets are in flight.
+    (loss, (logits, batch_stats)), (params, opt_state, grad_norm) = value_and_averaged_grad(
+      loss_fn, axes, update=apply_mean_gradient
+    )(per_replica)
   else:
     (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(per_replica)
-  if average_gradients is None and value_and_averaged_grad is None:
-    # Weight-update sharding: tx reduce-scatters the gradients itself.
-    params, opt_state = tx.apply_gradients(
-      grads, state.opt_state, params, gather=gather_params is None
-    )
-    # The mean gradient exists only as shards: log the replicas' RMS gradient norm, an
-    # upper bound of the mean's norm that is just as non-finite when it is.
-    grad_norm = jnp.sqrt(lax.pmean(optax.tree.norm(grads) ** 2, axes))
-  else:
-    opt_state = state.opt_state
-    if value_and_averaged_grad is None:  # grads are this device's: average them now
-      if isinstance(opt_state, optim.ErrorFeedbackState):  # its [1, *shape] residual
-        residual = jax.tree.map(lambda r: r[0], opt_state.residual)
-        grads, residual = average_gradients(grads, axes, residual=residual)
-        opt_state = opt_state._replace(residual=jax.tree.map(lambda r: r[None], residual))
-      else:
-        grads = average_gradients(grads, axes)
-    grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    if average_gradients is None:
+      # Weight-update sharding: tx reduce-scatters the gradients itself.
+      params, opt_state = tx.apply_gradients(
+        grads, state.opt_state, params, gather=gather_params is None
+      )
+      # The mean gradient exists only as shards: log the replicas' RMS gradient norm, an
+      # upper bound of the mean's norm that is just as non-finite when it is.
+      grad_norm = jnp.sqrt(lax.pmean(optax.tree.norm(grads) ** 2, axes))
+    elif isinstance(state.opt_state, optim.ErrorFeedbackState):  # its [1, *shape] residual
+      residual = jax.tree.map(lambda r: r[0], state.opt_state.residual)
+      grads, residual = average_gradients(grads, axes, residual=residual)
+      params, opt_state, grad_norm = apply_mean_gradient(grads)
+      opt_state = opt_state._replace(residual=jax.tree.map(lambda r: r[None], residual))
+    else:
+      params, opt_state, grad_norm = apply_mean_gradient(average_gradients(grads, axes))
   new_state = TrainState(
     step=state.step + 1,
     params=params,
@@ -260,10 +264,11 @@ def make_train_step(
   per device (see ``faults.StopRequest``); ``metrics['stop']`` is then its maximum over
   the mesh, the same on every process. The state is the running one of ``layout``
   (``ParamsLayout``; by default replicated parameters). ``value_and_averaged_grad(loss_fn,
-  axes)``, if given, replaces ``jax.value_and_grad`` and ``average_gradients`` both: it
-  returns the loss, its aux and the mean gradient, summed while the backward pass runs
-  (``gradient_threading``). The result is not jitted, so the caller chooses whether to
-  donate the state.
+  axes, update=...)``, if given, replaces ``jax.value_and_grad`` and ``average_gradients``
+  both: it returns the loss, its aux and ``update`` of the mean gradient (the optimizer's
+  step), summed while the backward pass runs and stepped while the last buckets are in
+  flight (``gradient_threading``). The result is not jitted, so the caller chooses whether
+  to donate the state.
   """
   body = functools.partial(
     _train_step,
@@ -646,18 +651,20 @@ def gradient_averaging(config: ml_collections.ConfigDict) -> Callable | None:
 def gradient_threading(config: ml_collections.ConfigDict) -> Callable | None:
   """The ``value_and_averaged_grad`` of ``make_train_step`` with ``config.grad_overlap``:
   ``tc.value_and_summed_grad`` (the mean, with the configured implementation and bucket
-  size), which starts each bucket's summation as soon as its gradients exist; None
-  without it."""
+  size), which starts each bucket's summation as soon as its gradients exist and runs
+  ``update`` (the optimizer's step) on each bucket's leaves as soon as they are summed;
+  None without it."""
   if not config.grad_overlap:
     return None
 
-  def value_and_averaged_grad(loss_fn, axes):
+  def value_and_averaged_grad(loss_fn, axes, update=None):
     return tc.value_and_summed_grad(
       loss_fn,
       axes,
       bucket_bytes=config.grad_bucket_bytes,
       implementation=config.grad_implementation,
       has_aux=True,
+      update=update,
     )
 
   return value_and_averaged_grad

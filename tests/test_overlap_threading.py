@@ -48,19 +48,39 @@ def _loss(params, x):
   return jnp.sum(h @ params["w3"] + params["b"])
 
 
-def _step(mean, implementation="pallas", reference=False):
+def _sgd(params):
+  """An optimizer step exact on integers: ``p - 2 g`` per leaf (of each leaf's own
+  gradient, so its work can run while later buckets are in flight) and the sum of every
+  gradient (which waits for all of them)."""
+
+  def update(grads):
+    stepped = jax.tree.map(lambda p, g: p - 2.0 * g, params, grads)
+    return stepped, sum(jnp.sum(g) for g in jax.tree.leaves(grads))
+
+  return update
+
+
+def _step(mean, implementation="pallas", reference=False, update=None):
   """The threaded step, or (``reference``) ``value_and_grad`` then ``lax.psum``/``pmean``:
   separate programs, since a lax collective in the program of the split calls may run
-  concurrently with one of them on the CPU and deadlock against the interpreter."""
+  concurrently with one of them on the CPU and deadlock against the interpreter.
+  ``update``: a function of the parameters giving ``value_and_summed_grad``'s ``update``
+  (``_sgd``); the step then returns its result in place of the gradient."""
 
   def body(x, params):
+    then = (lambda grads: grads) if update is None else update(params)
     if reference:
       value, grads = jax.value_and_grad(_loss)(params, x)
-      return value[None], (lax.pmean if mean else lax.psum)(grads, AXES)
-    value, grads = overlap.value_and_summed_grad(
-      _loss, AXES, mean=mean, bucket_bytes=BUCKET_BYTES, implementation=implementation
+      return value[None], then((lax.pmean if mean else lax.psum)(grads, AXES))
+    value, result = overlap.value_and_summed_grad(
+      _loss,
+      AXES,
+      mean=mean,
+      bucket_bytes=BUCKET_BYTES,
+      implementation=implementation,
+      update=None if update is None else update(params),
     )(params, x)
-    return value[None], grads
+    return value[None], result
 
   mesh = harness.mesh((2, 4), AXES)
   specs = (P(AXES), P())
@@ -95,19 +115,21 @@ def test_threaded_summation_matches_lax(mode, mean):
     assert all(np.all(g == np.round(g)) for g in grads.values())
 
 
-def _program_order(jaxpr, out):
+def _program_order(jaxpr, out, also=()):
   """``(what, bucket)`` of the pallas calls (``bucket``: the index in their ``bucket_<k>``
-  scope) and ``dot_general`` equations (``bucket`` None), in program order."""
+  scope) and ``dot_general`` equations and those named in ``also`` (``bucket`` None), in
+  program order."""
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "pallas_call":
       bucket = re.search(r"bucket_([0-9]+)", str(eqn.source_info.name_stack))
       out.append(("call", int(bucket.group(1))))
-    elif eqn.primitive.name == "dot_general":
-      out.append(("dot_general", None))
+      continue  # not into the kernel's body
+    if eqn.primitive.name in ("dot_general", *also):
+      out.append((eqn.primitive.name, None))
     for param in eqn.params.values():
       sub = getattr(param, "jaxpr", None)
       if sub is not None:
-        _program_order(getattr(sub, "jaxpr", sub), out)
+        _program_order(getattr(sub, "jaxpr", sub), out, also)
   return out
 
 
@@ -136,6 +158,46 @@ def test_each_bucket_overlaps_a_backward_matmul():
   assert starts[1] < dones[0], order
   # ... and the last (the first layer's gradient) has nothing left to overlap.
   assert starts[-1] > last_matmul
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(
+  "mode, mean", [("eager", False), ("on_wait", True)], ids=["eager", "on_wait"]
+)
+def test_threaded_update_matches_lax(mode, mean):
+  """``update`` threaded with the buckets in flight gives what it gives on the summed
+  gradient, exactly (every value an integer, or one over 8 of one)."""
+  with async_interpret_mode(mode, deadlock_timeout_s=60.0):
+    value, (stepped, total) = jax.block_until_ready(_step(mean, update=_sgd)(*_inputs()))
+  ref_value, (ref_stepped, ref_total) = _step(mean, reference=True, update=_sgd)(*_inputs())
+  np.testing.assert_array_equal(value, ref_value)
+  np.testing.assert_array_equal(total, ref_total)
+  for name in ref_stepped:
+    np.testing.assert_array_equal(stepped[name], ref_stepped[name])
+
+
+@pytest.mark.interpret
+def test_update_of_finished_buckets_runs_between_the_last_buckets_calls():
+  """The update's work on the leaves whose buckets are done (its ``sub`` equations: the
+  backward pass has none) is traced between the calls of the last bucket, which the
+  backward pass left with nothing to overlap; the subtractions of the last bucket's own
+  leaf (``w1``) come after its last call."""
+  x, params = _inputs()
+  mesh = harness.mesh((2, 4), AXES)
+
+  def body(x, p):
+    step = overlap.value_and_summed_grad(_loss, AXES, bucket_bytes=BUCKET_BYTES, update=_sgd(p))
+    return step(p, x)[1]
+
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(P(AXES), P()), out_specs=P(), check_vma=False)
+  with async_interpret_mode("eager", deadlock_timeout_s=60.0):
+    jaxpr = jax.make_jaxpr(fn)(x, params).jaxpr
+  order = _program_order(jaxpr, [], also=("sub",))
+  last = [i for i, (what, b) in enumerate(order) if what == "call" and b == 2]
+  subs = [i for i, (what, _) in enumerate(order) if what == "sub"]
+  assert len(subs) == 4, order
+  assert sum(last[0] < i < last[-1] for i in subs) == 3, (last, subs)  # w3, b, w2
+  assert max(subs) > last[-1]  # w1's
 
 
 @pytest.mark.parametrize("implementation", ["xla", "auto"])

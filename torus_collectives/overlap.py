@@ -44,16 +44,26 @@ its DMAs are on the link):
    split calls is the program's on every device (lax collectives keep program order
    among themselves, the Pallas calls too, but not relative to each other on a runtime
    that runs independent ops concurrently: the CPU interpreter); the value and aux come
-   out of a barrier with the final sums.
-5. After the last equation, the collectives still in flight issue the calls they have
-   left, one call of each in turn (so that their hops overlap one another's); the sums
-   are unpacked, scaled (``mean``) and cast back to the leaves' dtypes.
+   out of a barrier with the result.
+5. After the last equation, the sums are unpacked, scaled (``mean``) and cast back to the
+   leaves' dtypes. Without ``update``, the collectives still in flight first issue the
+   calls they have left, one call of each in turn (so that their hops overlap one
+   another's). With ``update`` (the optimizer's step), the unpacking and ``update`` are
+   traced as one program, the *tail*, and evaluated equation by equation while those
+   calls are issued (``_Tail``): whatever reads only finished buckets' sums runs between
+   the calls of the buckets still in flight (every operand read through a barrier with
+   them), each window holding an even share of the tail's output bytes that does not
+   wait for the last bucket (``_window_budget``). The last bucket (the first layers'
+   gradients, which start after the last backward convolution) so overlaps the update
+   of every other layer instead of nothing. An ``update`` that reads every leaf at once
+   (a global norm clip) has nothing ready early and runs after the last call, as without.
 
 The result is that of ``jax.value_and_grad(fun)`` followed by
 ``all_reduce_gradients(grads, axis_name, mean=mean, bucket_bytes=bucket_bytes,
-implementation=implementation)``: the same buckets, summed by the same ring algorithm in
-float32 adds (the blocking kernels and the split streams cut the buffer into chunks
-differently, so float sums may round differently; integers are exact in both).
+implementation=implementation)`` (and ``update`` of that): the same buckets, summed by
+the same ring algorithm in float32 adds (the blocking kernels and the split streams cut
+the buffer into chunks differently, so float sums may round differently; integers are
+exact in both).
 
 Assumptions and limits:
 
@@ -142,20 +152,29 @@ def value_and_summed_grad(
   bucket_bytes: int | None = None,
   implementation: str = "pallas",
   has_aux: bool = False,
+  update: Callable | None = None,
 ) -> Callable:
   """``jax.value_and_grad(fun, has_aux=has_aux)`` whose gradient comes back summed
   (``mean=False``) or averaged over ``axis_name``, each bucket's summation overlapping the
   rest of the backward pass (module doc). Call the returned function inside the
   ``shard_map`` over ``axis_name``; it differentiates with respect to the first argument.
+
+  ``update``: a function of the summed gradient (the optimizer's step, say:
+  ``lambda g: tx.update(g, opt_state, params)``); the returned function then gives
+  ``(value, update(grads))``, and the work of every leaf whose bucket is complete runs
+  between the calls of the buckets still in flight (module doc, step 5).
   """
   grad_fn = jax.value_and_grad(fun, has_aux=has_aux)
+  then = (lambda grads: grads) if update is None else update
 
   def run(params, *args):
     registry.check_name(implementation)
     if implementation != "auto" and _split_all_reduce(implementation) is None:
       value, grads = grad_fn(params, *args)
-      return value, all_reduce_gradients(
-        grads, axis_name, mean=mean, bucket_bytes=bucket_bytes, implementation=implementation
+      return value, then(
+        all_reduce_gradients(
+          grads, axis_name, mean=mean, bucket_bytes=bucket_bytes, implementation=implementation
+        )
       )
     names = axes.names(axis_name)
     sizes = tuple(lax.axis_size(a) for a in names)
@@ -169,17 +188,26 @@ def value_and_summed_grad(
     split_all_reduce = _split_all_reduce(chosen)
     if split_all_reduce is None:
       value, grads = grad_fn(params, *args)
-      return value, all_reduce_gradients(
-        grads, axis_name, mean=mean, bucket_bytes=chosen_bucket, implementation=chosen
+      return value, then(
+        all_reduce_gradients(
+          grads, axis_name, mean=mean, bucket_bytes=chosen_bucket, implementation=chosen
+        )
       )
-    threaded = _Threaded(split_all_reduce, names, sizes, chosen_bucket or DEFAULT_BUCKET_BYTES)
-    value_leaves, summed = threaded.run(closed, jax.tree.leaves((params, *args)), grad_leaves)
     scale = 1.0 / math.prod(sizes) if mean else 1.0
-    grads = [
-      (s.astype(jnp.float32) * scale).astype(leaf.dtype) for s, leaf in zip(summed, grad_leaves)
-    ]
-    value = jax.tree.unflatten(jax.tree.structure(value_shapes), value_leaves)
-    return value, jax.tree.unflatten(grad_tree, grads)
+
+    def gradient_then(summed):  # the summed leaves, flat -> then(the gradient tree)
+      grads = [
+        (mark_invariant(s.reshape(leaf.shape), names).astype(jnp.float32) * scale).astype(
+          leaf.dtype
+        )
+        for s, leaf in zip(summed, grad_leaves)
+      ]
+      return then(jax.tree.unflatten(grad_tree, grads))
+
+    threaded = _Threaded(split_all_reduce, names, sizes, chosen_bucket or DEFAULT_BUCKET_BYTES)
+    flat_args = jax.tree.leaves((params, *args))
+    value_leaves, result = threaded.run(closed, flat_args, grad_leaves, gradient_then, update)
+    return jax.tree.unflatten(jax.tree.structure(value_shapes), value_leaves), result
 
   return run
 
@@ -202,6 +230,7 @@ class _Threaded:
     self.last_communicated: list[jax.Array] = []  # results of the last such equation
     self.points: list[int] = []  # the advance points (``_advance_points``)
     self.pacing: dict[int, tuple[int, list[int]]] = {}  # split -> (calls left, its points)
+    self.packed: dict[int, jax.Array] = {}  # split -> the bucket's buffer it started on
 
   @contextlib.contextmanager
   def _scope(self, split):
@@ -211,8 +240,9 @@ class _Threaded:
     with jax.named_scope(GRADIENT_SCOPE), jax.named_scope(f"bucket_{k}"):
       yield
 
-  def run(self, closed, flat_args, grad_leaves) -> tuple[list, list[jax.Array]]:
-    """(the value's leaves, the summed gradient leaves, flat) of the traced program."""
+  def run(self, closed, flat_args, grad_leaves, gradient_then, update) -> tuple[list, Any]:
+    """(the value's leaves, ``gradient_then(the summed gradient leaves)``) of the traced
+    program; ``update`` given, ``gradient_then``'s work is threaded too (``_run_tail``)."""
     counter = itertools.count()
     constants: dict[int, Any] = {}
     in_keys = [next(counter) for _ in flat_args]
@@ -254,21 +284,32 @@ class _Threaded:
         self.last_communicated = [r for r in results if isinstance(r, jax.Array)]
       env.update(zip(item.outs, results))
       self._start_ready(buckets, ready_after, position, gradient)
-    self._finish_in_turn()
-    summed: dict[int, jax.Array] = {}
-    for bucket, split in self.in_flight:
-      with self._scope(split):
-        sizes = [math.prod(grad_leaves[i].shape) for i in bucket]
-        parts = packing.unpack(split.finish(), sizes)
-      summed.update(zip(bucket, parts))
-    reduced = [
-      mark_invariant(summed[i].reshape(leaf.shape), self.names)
-      for i, leaf in enumerate(grad_leaves)
-    ]
-    # The value and aux come out of a barrier with the sums, so that what the caller
+    result = self._result(grad_leaves, gradient_then, update is not None)
+    # The value and aux come out of a barrier with the result, so that what the caller
     # computes from them (its metrics' collectives, say) runs after the last call.
-    value, reduced = lax.optimization_barrier(([_read(env, a) for a in value_atoms], reduced))
-    return value, reduced
+    leaves, tree = jax.tree.flatten(result)
+    value, leaves = lax.optimization_barrier(([_read(env, a) for a in value_atoms], leaves))
+    return value, jax.tree.unflatten(tree, leaves)
+
+  def _result(self, grad_leaves, gradient_then, threaded: bool):
+    """``gradient_then`` of the summed leaves: after every call (``_finish_in_turn``), or
+    (``threaded``) evaluated while the buckets still in flight issue theirs (``_Tail``)."""
+    widths = [[math.prod(grad_leaves[i].shape) for i in bucket] for bucket, _ in self.in_flight]
+
+    def tail(*flats):  # the buckets' sums, in start order -> gradient_then(the leaves)
+      summed: dict[int, jax.Array] = {}
+      for (bucket, _), flat, sizes in zip(self.in_flight, flats, widths):
+        summed.update(zip(bucket, packing.unpack(flat, sizes)))
+      return gradient_then([summed[i] for i in range(len(grad_leaves))])
+
+    if threaded:
+      return _Tail(self, tail).run()
+    self._finish_in_turn()
+    flats = []
+    for _, split in self.in_flight:
+      with self._scope(split):
+        flats.append(split.finish())
+    return tail(*flats)
 
   def _start_ready(self, buckets, ready_after, position, gradient) -> None:
     """Starts the split all-reduce of every bucket whose last leaf ``position`` produced."""
@@ -283,6 +324,7 @@ class _Threaded:
         flat, _ = lax.optimization_barrier((flat, self.last_communicated))
         split = self.split_all_reduce(flat, self.names, self.sizes)
       self.in_flight.append((bucket, split))
+      self.packed[id(split)] = flat
       if split.calls_left:
         with self._scope(split):
           split.advance()
@@ -291,14 +333,7 @@ class _Threaded:
   def _pin(self, values):
     """``values`` (their traced arrays; literals pass) through a barrier with each
     collective started so far (finished ones too: with their result), in start order."""
-    traced = [i for i, v in enumerate(values) if isinstance(v, jax.Array)]
-    pinned = [values[i] for i in traced]
-    for _, split in self.in_flight:
-      pinned = split.pin(pinned)
-    values = list(values)
-    for i, v in zip(traced, pinned):
-      values[i] = v
-    return values
+    return _pin_to([split for _, split in self.in_flight], values)
 
   def _pin_frontier(self, item, operands, env, producer, produced_at):
     """The heavy equation ``item``'s operands, one of them rebuilt after the last call
@@ -386,6 +421,136 @@ def _ancestry(key, producer, produced_at) -> tuple[list, list[int]]:
     chain[id(item)] = item
     stack.extend(a for a in item.ins if isinstance(a, int))
   return sorted(chain.values(), key=lambda it: produced_at[it.outs[0]]), frontier
+
+
+class _Tail:
+  """The work after the backward pass (``tail``: a function of the buckets' sums, in start
+  order), traced and evaluated equation by equation while the buckets still in flight
+  issue their calls (module doc, step 5).
+
+  Each pass evaluates, in program order, every equation whose operands exist. An operand
+  not computed in the current window is read through a barrier with the collectives in
+  flight, so the equation runs after their last call. An equation computing one of the
+  tail's outputs closes the window once the window's outputs reach ``_window_budget``
+  bytes; each collective in flight then issues its next call, which waits for them. A
+  collective with no calls left is finished, and what reads its sum becomes ready; when a
+  pass finds nothing ready, one call of each is issued in turn.
+  """
+
+  def __init__(self, threaded: _Threaded, tail: Callable):
+    self.threaded = threaded
+    packed = [threaded.packed[id(split)] for _, split in threaded.in_flight]
+    closed, self.shapes = jax.make_jaxpr(tail, return_shape=True)(*packed)
+    counter = itertools.count()
+    constants: dict[int, Any] = {}
+    self.in_keys = [next(counter) for _ in packed]
+    self.eqns, self.outs = inlining.inline(
+      closed.jaxpr, closed.consts, self.in_keys, counter, constants
+    )
+    self.env: dict[Any, Any] = dict(constants)
+    self.out_keys = {a for a in self.outs if isinstance(a, int)}
+    calls_left = [split.calls_left for _, split in threaded.in_flight]
+    self.budget = _window_budget(self.eqns, self.in_keys, self.out_keys, calls_left)
+    self.window: dict[Any, Any] = {}  # keys computed or pinned in the current window
+    self.window_bytes = 0
+
+  def run(self):
+    """The tail's result, every collective finished."""
+    self._collect_finished()
+    pending = list(self.eqns)
+    while pending:
+      waiting = [item for item in pending if not self._evaluate(item)]
+      if len(waiting) == len(pending):  # nothing was ready: a sum they read is in flight
+        self._next_window()
+      pending = waiting
+    while any(split.calls_left for _, split in self.threaded.in_flight):
+      self._next_window()
+    leaves = [_read(self.env, a) for a in self.outs]
+    return jax.tree.unflatten(jax.tree.structure(self.shapes), leaves)
+
+  def _evaluate(self, item) -> bool:
+    """Evaluates ``item`` if its operands exist (False if not), closing the window when
+    it is due."""
+    if any(isinstance(a, int) and a not in self.env for a in item.ins):
+      return False
+    flying = [split for _, split in self.threaded.in_flight if split.calls_left]
+    operands = [self._read(a, flying) for a in item.ins]
+    communicates = bool(flying) and _communicates(item.eqn.primitive.name)
+    if communicates:  # in one order with the split calls on every device
+      operands = _pin_to(flying, operands)
+    results = _evaluate(item.eqn, operands)
+    if communicates:
+      results = _pin_to(flying, results)
+    self.env.update(zip(item.outs, results))
+    self.window.update(zip(item.outs, results))
+    if flying and any(k in self.out_keys for k in item.outs):
+      self.window_bytes += sum(_nbytes(r) for r in results)
+      if self.window_bytes >= self.budget:
+        _pin_to(flying, results)  # the next calls wait for the window's work
+        self._next_window()
+    return True
+
+  def _read(self, atom, flying):
+    """An operand: as computed in this window, else through a barrier with the
+    collectives ``flying`` (once a window), or as is when none is."""
+    if not isinstance(atom, int):
+      return atom.value
+    if atom in self.window or not flying:
+      return self.env[atom]
+    (self.window[atom],) = _pin_to(flying, [self.env[atom]])
+    return self.window[atom]
+
+  def _collect_finished(self) -> None:
+    """The sum of every collective with no calls left, as the tail's input."""
+    for (_, split), key in zip(self.threaded.in_flight, self.in_keys):
+      if key not in self.env and not split.calls_left:
+        with self.threaded._scope(split):
+          self.env[key] = split.finish()
+
+  def _next_window(self) -> None:
+    """Each collective in flight issues its next call; a new window opens."""
+    self.window.clear()
+    self.window_bytes = 0
+    for _, split in self.threaded.in_flight:
+      if split.calls_left:
+        with self.threaded._scope(split):
+          split.advance()
+    self._collect_finished()
+
+
+def _window_budget(eqns, in_keys, out_keys, calls_left) -> float:
+  """The output bytes a window of the tail holds: of the outputs that do not depend on
+  the sum of the collective with the most calls left (``C`` of them; it finishes last),
+  ``1 / (C + 1)``, so its calls spread evenly over the work that can run before it is
+  done. Infinite when no collective has calls left."""
+  if not calls_left or max(calls_left) == 0:
+    return math.inf
+  last = in_keys[max(range(len(calls_left)), key=lambda i: calls_left[i])]
+  reads_last = {last}
+  free = 0
+  for item in eqns:
+    if any(a in reads_last for a in item.ins if isinstance(a, int)):
+      reads_last.update(item.outs)
+    else:
+      free += sum(
+        math.prod(v.aval.shape) * v.aval.dtype.itemsize
+        for k, v in zip(item.outs, item.eqn.outvars)
+        if k in out_keys
+      )
+  return free / (max(calls_left) + 1)
+
+
+def _pin_to(splits, values) -> list:
+  """``values`` (their traced arrays; literals pass) through a barrier with each of
+  ``splits`` in turn."""
+  traced = [i for i, v in enumerate(values) if isinstance(v, jax.Array)]
+  pinned = [values[i] for i in traced]
+  for split in splits:
+    pinned = split.pin(pinned)
+  values = list(values)
+  for i, v in zip(traced, pinned):
+    values[i] = v
+  return values
 
 
 def _nbytes(value) -> int:
