@@ -22,7 +22,11 @@ one step on one chip:
   chain of such windows: each call but the done starts one ring hop's transfer, the next
   call of its chain waits for what the compute between them did not cover, and each call
   itself holds the TensorCore for its estimated cycles. The chain, over all its phases
-  (a done's result is the next phase's start's input), is one row.
+  (a done's result is the next phase's start's input), is one row. Hops in flight at once
+  on the same directed link (a ring axis and direction: ``split_link``) share it: each
+  progresses at ``1 / k`` of its own speed while ``k`` are unfinished there (processor
+  sharing of the whole hop, its latency too, so contention is if anything overcharged;
+  XLA's own collectives in flight are not counted against the links).
 
 Everything here is a compiler estimate combined with a model: no figure is measured.
 """
@@ -57,7 +61,7 @@ _CALLS = re.compile(r"calls=%([\w.\-]+)")
 _GROUPS = re.compile(r"replica_groups=mesh\[[^\]]*\] \{([^}]*)\}")
 _COLLECTIVE = re.compile(r" (" + "|".join(COLLECTIVE_OPCODES) + r")(?:-start)?\(")
 _SPLIT_CALL = re.compile(
-  r"async_(all_gather|reduce_scatter)(?:_ccw)?_(start|step|done)_(\w+?)(?:/|$)"
+  r"async_(all_gather|reduce_scatter)(_ccw)?_(start|step|done)_(\w+?)(?:/|$)"
 )
 
 
@@ -72,7 +76,16 @@ def split_call(op: Op) -> tuple[str, str, str] | None:
   if op.kind != "pallas":
     return None
   found = _SPLIT_CALL.search(op.op_name)
-  return found.groups() if found else None
+  return (found.group(1), found.group(3), found.group(4)) if found else None
+
+
+def split_link(op: Op) -> tuple[str, int]:
+  """``(axis, direction)`` of a split collective's call: the directed ring link its hop
+  sends on (``_ccw`` calls send to the previous device, -1)."""
+  found = _SPLIT_CALL.search(op.op_name)
+  if op.kind != "pallas" or found is None:
+    raise ValueError(f"{op.name} is not a split collective's call")
+  return found.group(4), -1 if found.group(2) else 1
 
 
 def implied_clock(cycles: float, flops: float, peak_flops: float) -> float:
@@ -451,6 +464,16 @@ def split_schedule_problems(ops: list[Op]) -> list[str]:
   return problems
 
 
+@dataclasses.dataclass
+class _Hop:
+  """One open window: its hop's link, when it opened (time, busy) and its price alone."""
+
+  link: tuple[str, int]
+  busy: float
+  seconds: float
+  remaining: float  # seconds of the hop's own speed still to go
+
+
 class _SplitHops:
   """The windows of split collectives on the timeline (module doc)."""
 
@@ -465,23 +488,56 @@ class _SplitHops:
       self.chains.append(chain)
       for before, index in zip([None, *calls], calls):
         self.previous[index], self.chain_at[index] = before, chain
-    self.window: dict[int, tuple[float, float, float]] = {}  # call -> (began, busy, T)
+    self.window: dict[int, _Hop] = {}  # call -> the hop it started
+    self.clock = 0.0  # the time up to which the hops have progressed
 
   def call(self, op: Op, index: int, now: float, busy: float, price, clock_hz) -> float:
     """Closes the window ``op`` waits on, opens its own; returns the new time."""
     _, call, _ = split_call(op)
     chain, previous = self.chain_at[index], self.previous[index]
+    self.progress(now)
     if previous in self.window:
-      began, busy_then, seconds = self.window.pop(previous)
-      finish = max(now, began + seconds)
-      chain.modelled_s += seconds
-      chain.covered_s += busy - busy_then
-      chain.exposed_s += finish - now
-      now = finish
+      hop = self.window[previous]
+      while hop.remaining > 0:  # wait for it, the others on its link progressing too
+        self.progress(self.clock + self._next_event())
+      del self.window[previous]
+      chain.modelled_s += hop.seconds
+      chain.covered_s += busy - hop.busy
+      chain.exposed_s += self.clock - now
+      now = self.clock
     now += (op.cycles or 0) / clock_hz  # the call's own work on the TensorCore
+    self.progress(now)
     if call != "done":
-      self.window[index] = (now, busy, price(op, _first_array_bytes(op.result)))
+      seconds = price(op, _first_array_bytes(op.result))
+      self.window[index] = _Hop(split_link(op), busy, seconds, seconds)
     return now
+
+  def _sharing(self) -> dict[tuple[str, int], list[_Hop]]:
+    links: dict[tuple[str, int], list[_Hop]] = {}
+    for hop in self.window.values():
+      if hop.remaining > 0:
+        links.setdefault(hop.link, []).append(hop)
+    return links
+
+  def _next_event(self) -> float:
+    """Time until the next unfinished hop finishes at the current sharing."""
+    return min(min(h.remaining for h in hops) * len(hops) for hops in self._sharing().values())
+
+  def progress(self, until: float) -> None:
+    """Advances every unfinished hop to time ``until``, ``k`` hops on a link each at
+    ``1 / k`` of its speed, the shares re-dealt as hops finish."""
+    while until > self.clock:
+      links = self._sharing()
+      if not links:
+        self.clock = until
+        return
+      step = min(until - self.clock, self._next_event())
+      for hops in links.values():
+        for hop in hops:
+          hop.remaining -= step / len(hops)
+          if hop.remaining < 1e-15:
+            hop.remaining = 0.0
+      self.clock += step
 
 
 def _first_array_bytes(result: str) -> int:

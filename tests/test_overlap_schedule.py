@@ -1,6 +1,8 @@
 """The scheduled-program reader and timeline of ``bench.hlo_schedule``, on programs whose
 answer is computed by hand, and the order in which gradient buckets are issued."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -199,12 +201,14 @@ def test_the_report_counts_the_data_parallel_collectives():
   assert not overlap_report.is_data_parallel(op("{'x','y'}", "jit(f)/BatchNorm_0/pmean"), mesh_axes)
 
 
-def _split_call(name, call, operands, bucket="bucket_0"):
-  """A split all-gather call along "x" (``kernels.async_torus``) in a bucket's scope."""
+def _split_call(name, call, operands, bucket="bucket_0", ccw=False):
+  """A split all-gather call along "x" (``kernels.async_torus``) in a bucket's scope,
+  sending to the next device (``ccw``: the previous one)."""
   result = "f32[4096]{0}" if call == "done" else "(f32[4096]{0}, s32[]{:S(2)}, s32[]{:S(2)})"
+  pattern = "async_all_gather_ccw" if ccw else "async_all_gather"
   return (
     f'  %{name} = {result} custom-call({operands}), custom_call_target="tpu_custom_call", '
-    f'metadata={{op_name="jit(step)/gradient_summation/{bucket}/async_all_gather_{call}_x/'
+    f'metadata={{op_name="jit(step)/gradient_summation/{bucket}/{pattern}_{call}_x/'
     f'pallas_call"}}'
   )
 
@@ -243,6 +247,36 @@ def test_a_split_chain_is_priced_hop_by_hop():
   assert row.exposed_s == pytest.approx(1.5e-6)
   assert timeline.step_s == pytest.approx(4e-6)
   assert hlo_schedule.split_schedule_problems(ops) == []
+
+
+@pytest.mark.parametrize("ccw, exposed", [(False, 3e-6), (True, 1e-6)], ids=["shared", "apart"])
+def test_hops_in_flight_on_one_link_share_it(ccw, exposed):
+  """Two buckets' 2 us hops, started together around 1 us of compute. On the same link
+  each runs at half speed: 1.5 us of each are left after the compute, and the first done
+  waits 3 us for both to finish (the second then waits for nothing). On opposite
+  directions each has its link alone: the first done waits 1 us."""
+  ops = hlo_schedule.entry_ops(
+    _program(
+      "  %p = f32[1024]{0} parameter(0)",
+      "  %c = s32[1]{0} parameter(1)",
+      _split_call("start.0", "start", "%c, %p"),
+      _split_call("start.1", "start", "%c, %p", bucket="bucket_1", ccw=ccw),
+      _fusion("fusion.1", 1000, "%p"),
+      _split_call("done.0", "done", "%c, %start.0"),
+      _split_call("done.1", "done", "%c, %start.1", bucket="bucket_1", ccw=ccw),
+    )
+  )
+  assert [hlo_schedule.split_link(op) for op in ops if hlo_schedule.split_call(op)] == [
+    ("x", 1), ("x", -1 if ccw else 1), ("x", 1), ("x", -1 if ccw else 1)
+  ]  # fmt: skip
+  timeline = hlo_schedule.timeline(ops, CLOCK, _price)
+  first, second = timeline.rows
+  assert first.exposed_s == pytest.approx(exposed)
+  assert second.exposed_s == pytest.approx(0.0)
+  assert first.modelled_s == second.modelled_s == pytest.approx(2e-6)
+  assert timeline.step_s == pytest.approx(1e-6 + exposed)
+  with pytest.raises(ValueError, match="not a split collective"):
+    hlo_schedule.split_link(dataclasses.replace(ops[-1], op_name="jit(f)/x"))
 
 
 def test_split_schedule_problems_name_a_copied_buffer_and_an_empty_window():
