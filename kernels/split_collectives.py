@@ -145,6 +145,7 @@ class SplitCollective:
     phases = _stream_phases(collective, axes, variant)
     parts = jnp.split(x, len(phases)) if len(phases) > 1 else [x]
     self._streams = [_Stream(part, p, self.mesh_axes) for part, p in zip(parts, phases)]
+    self.parts_like = parts  # arrays of the parts' types, for tracing what reads them
 
   def _check(self, x, axes, variant) -> None:
     """Every phase's chunk is a whole number of DMA words (raises before any call)."""
@@ -203,10 +204,18 @@ class SplitCollective:
   def finish(self) -> jax.Array:
     """Issues every call left; returns the collective's result (its first
     ``result_elements`` elements, if given: the length before padding)."""
+    return self.join(self.finish_parts())
+
+  def finish_parts(self) -> list[jax.Array]:
+    """Issues every call left; returns each stream's part of the result, unjoined (a
+    barrier on the parts copies nothing, where one on their join would materialize it)."""
     while self.calls_left:
       self.advance()
-    values = [stream.value for stream in self._streams]
-    out = jnp.concatenate(values) if len(values) > 1 else values[0]
+    return [stream.value for stream in self._streams]
+
+  def join(self, parts) -> jax.Array:
+    """The result from ``finish_parts``' parts (or arrays like them)."""
+    out = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
     return out if self.result_elements is None else out[: self.result_elements]
 
 

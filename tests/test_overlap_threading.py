@@ -16,6 +16,7 @@
 """
 
 import itertools
+import math
 import re
 
 import harness
@@ -308,3 +309,13 @@ def test_advance_points_are_leaves_computed_from_new_work():
   assert sorted(names) == ["dot_general"] * 3 + ["reduce_sum"], names
   assert all(any(k in leaf_keys for k in eqns[p].outs) for p in points)
   assert overlap._advance_points(eqns, leaf_keys, max(points)) == []
+
+
+def test_tail_calls_are_spaced_over_the_work_that_can_cover_them():
+  """Collective 0 (1 call left) finishes first: nothing needs neither its sum nor the
+  other's, so its call has no work to wait for (spacing 0). Collective 1 (3 calls left)
+  is covered by the 100 bytes that need only collective 0's sum, a quarter a call (the
+  50 bytes reading both run after its last). No calls left: never due."""
+  spacing = overlap._call_spacing([100, 100, 50], [{0}, {1}, {0, 1}], [1, 3])
+  assert spacing == [0.0, 25.0]
+  assert overlap._call_spacing([100], [set()], [0, 4]) == [math.inf, 20.0]

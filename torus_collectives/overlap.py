@@ -52,8 +52,8 @@ its DMAs are on the link):
    traced as one program, the *tail*, and evaluated equation by equation while those
    calls are issued (``_Tail``): whatever reads only finished buckets' sums runs between
    the calls of the buckets still in flight (every operand read through a barrier with
-   them), each window holding an even share of the tail's output bytes that does not
-   wait for the last bucket (``_window_budget``). The last bucket (the first layers'
+   them), each collective's calls spaced evenly over the tail's output bytes that can
+   run before it is done (``_call_spacing``). The last bucket (the first layers'
    gradients, which start after the last backward convolution) so overlaps the update
    of every other layer instead of nothing. An ``update`` that reads every leaf at once
    (a global norm clip) has nothing ready early and runs after the last call, as without.
@@ -230,7 +230,6 @@ class _Threaded:
     self.last_communicated: list[jax.Array] = []  # results of the last such equation
     self.points: list[int] = []  # the advance points (``_advance_points``)
     self.pacing: dict[int, tuple[int, list[int]]] = {}  # split -> (calls left, its points)
-    self.packed: dict[int, jax.Array] = {}  # split -> the bucket's buffer it started on
 
   @contextlib.contextmanager
   def _scope(self, split):
@@ -296,20 +295,20 @@ class _Threaded:
     (``threaded``) evaluated while the buckets still in flight issue theirs (``_Tail``)."""
     widths = [[math.prod(grad_leaves[i].shape) for i in bucket] for bucket, _ in self.in_flight]
 
-    def tail(*flats):  # the buckets' sums, in start order -> gradient_then(the leaves)
+    def tail(*parts):  # the buckets' sums' parts, in start order -> gradient_then(leaves)
       summed: dict[int, jax.Array] = {}
-      for (bucket, _), flat, sizes in zip(self.in_flight, flats, widths):
-        summed.update(zip(bucket, packing.unpack(flat, sizes)))
+      for (bucket, split), bucket_parts, sizes in zip(self.in_flight, parts, widths):
+        summed.update(zip(bucket, packing.unpack(split.join(bucket_parts), sizes)))
       return gradient_then([summed[i] for i in range(len(grad_leaves))])
 
     if threaded:
       return _Tail(self, tail).run()
     self._finish_in_turn()
-    flats = []
+    parts = []
     for _, split in self.in_flight:
       with self._scope(split):
-        flats.append(split.finish())
-    return tail(*flats)
+        parts.append(split.finish_parts())
+    return tail(*parts)
 
   def _start_ready(self, buckets, ready_after, position, gradient) -> None:
     """Starts the split all-reduce of every bucket whose last leaf ``position`` produced."""
@@ -324,7 +323,6 @@ class _Threaded:
         flat, _ = lax.optimization_barrier((flat, self.last_communicated))
         split = self.split_all_reduce(flat, self.names, self.sizes)
       self.in_flight.append((bucket, split))
-      self.packed[id(split)] = flat
       if split.calls_left:
         with self._scope(split):
           split.advance()
@@ -425,54 +423,89 @@ def _ancestry(key, producer, produced_at) -> tuple[list, list[int]]:
 
 class _Tail:
   """The work after the backward pass (``tail``: a function of the buckets' sums, in start
-  order), traced and evaluated equation by equation while the buckets still in flight
-  issue their calls (module doc, step 5).
+  order), traced and evaluated while the buckets still in flight issue their calls
+  (module doc, step 5).
 
-  Each pass evaluates, in program order, every equation whose operands exist. An operand
-  not computed in the current window is read through a barrier with the collectives in
-  flight, so the equation runs after their last call. An equation computing one of the
-  tail's outputs closes the window once the window's outputs reach ``_window_budget``
-  bytes; each collective in flight then issues its next call, which waits for them. A
-  collective with no calls left is finished, and what reads its sum becomes ready; when a
-  pass finds nothing ready, one call of each is issued in turn.
+  The tail is evaluated output by output (a parameter's new value, an optimizer state
+  leaf), in the order it returns them: an output's *cone*, the equations it needs that
+  have not run yet, is evaluated in one window, once every bucket sum it reads exists.
+  So a leaf's update chain stays in one window and fuses; only the cone's reads from
+  outside the window (the sums, the parameters and state, what earlier windows computed)
+  pass a barrier with the collectives in flight, so the cone runs after their last call.
+  Each collective in flight issues its next call once the outputs since its last call
+  reach its spacing (``_call_spacing``), after a barrier with the window's outputs; a
+  new window opens whenever one does. A collective
+  with no calls left is finished, and the outputs that read its sum become ready; when a
+  pass finds no output ready, the collective with the fewest calls left issues one.
   """
 
   def __init__(self, threaded: _Threaded, tail: Callable):
     self.threaded = threaded
-    packed = [threaded.packed[id(split)] for _, split in threaded.in_flight]
-    closed, self.shapes = jax.make_jaxpr(tail, return_shape=True)(*packed)
+    parts = [split.parts_like for _, split in threaded.in_flight]
+    closed, self.shapes = jax.make_jaxpr(tail, return_shape=True)(*parts)
     counter = itertools.count()
     constants: dict[int, Any] = {}
-    self.in_keys = [next(counter) for _ in packed]
+    # One key per stream part; in_keys[c]: collective c's.
+    self.in_keys = [[next(counter) for _ in bucket_parts] for bucket_parts in parts]
+    flat_keys = [k for keys in self.in_keys for k in keys]
     self.eqns, self.outs = inlining.inline(
-      closed.jaxpr, closed.consts, self.in_keys, counter, constants
+      closed.jaxpr, closed.consts, flat_keys, counter, constants
     )
     self.env: dict[Any, Any] = dict(constants)
-    self.out_keys = {a for a in self.outs if isinstance(a, int)}
+    producer = {key: i for i, item in enumerate(self.eqns) for key in item.outs}
+    self.outputs = list(dict.fromkeys(a for a in self.outs if isinstance(a, int) and a in producer))
+    self.cones = {key: _cone(key, self.eqns, producer) for key in self.outputs}
+    self.done: set[int] = set()  # the equations evaluated
+    which = {key: c for c, keys in enumerate(self.in_keys) for key in keys}
+    needs = [
+      {which[a] for i in self.cones[key] for a in self.eqns[i].ins if _key(a) in which}
+      for key in self.outputs
+    ]
+    avals = {k: v.aval for item in self.eqns for k, v in zip(item.outs, item.eqn.outvars)}
+    output_bytes = [math.prod(avals[k].shape) * avals[k].dtype.itemsize for k in self.outputs]
     calls_left = [split.calls_left for _, split in threaded.in_flight]
-    self.budget = _window_budget(self.eqns, self.in_keys, self.out_keys, calls_left)
+    self.spacing = _call_spacing(output_bytes, needs, calls_left)
+    self.since = [0] * len(calls_left)  # output bytes since each collective's last call
     self.window: dict[Any, Any] = {}  # keys computed or pinned in the current window
-    self.window_bytes = 0
+    self.window_outputs: list[jax.Array] = []
 
   def run(self):
     """The tail's result, every collective finished."""
     self._collect_finished()
-    pending = list(self.eqns)
+    pending = self.outputs
     while pending:
-      waiting = [item for item in pending if not self._evaluate(item)]
+      waiting = [key for key in pending if not self._evaluate_cone(key)]
       if len(waiting) == len(pending):  # nothing was ready: a sum they read is in flight
-        self._next_window()
+        self._next_window([self._next_to_finish()])
       pending = waiting
     while any(split.calls_left for _, split in self.threaded.in_flight):
       self._next_window()
     leaves = [_read(self.env, a) for a in self.outs]
     return jax.tree.unflatten(jax.tree.structure(self.shapes), leaves)
 
-  def _evaluate(self, item) -> bool:
-    """Evaluates ``item`` if its operands exist (False if not), closing the window when
-    it is due."""
-    if any(isinstance(a, int) and a not in self.env for a in item.ins):
+  def _evaluate_cone(self, key) -> bool:
+    """Evaluates the output ``key``'s cone if every operand it reads from outside exists
+    (False if not), closing the window when it is due."""
+    cone = [i for i in self.cones[key] if i not in self.done]
+    inside = {k for i in cone for k in self.eqns[i].outs}
+    reads = {a for i in cone for a in self.eqns[i].ins if isinstance(a, int)} - inside
+    if any(a not in self.env for a in reads):
       return False
+    for i in cone:
+      self._evaluate(self.eqns[i])
+      self.done.add(i)
+    self.window_outputs.append(self.env[key])
+    due = []
+    for c, (_, split) in enumerate(self.threaded.in_flight):
+      if split.calls_left:
+        self.since[c] += _nbytes(self.env[key])
+        if self.since[c] >= self.spacing[c]:
+          due.append(c)
+    if due:
+      self._next_window(due)
+    return True
+
+  def _evaluate(self, item) -> None:
     flying = [split for _, split in self.threaded.in_flight if split.calls_left]
     operands = [self._read(a, flying) for a in item.ins]
     communicates = bool(flying) and _communicates(item.eqn.primitive.name)
@@ -483,12 +516,6 @@ class _Tail:
       results = _pin_to(flying, results)
     self.env.update(zip(item.outs, results))
     self.window.update(zip(item.outs, results))
-    if flying and any(k in self.out_keys for k in item.outs):
-      self.window_bytes += sum(_nbytes(r) for r in results)
-      if self.window_bytes >= self.budget:
-        _pin_to(flying, results)  # the next calls wait for the window's work
-        self._next_window()
-    return True
 
   def _read(self, atom, flying):
     """An operand: as computed in this window, else through a barrier with the
@@ -502,42 +529,64 @@ class _Tail:
 
   def _collect_finished(self) -> None:
     """The sum of every collective with no calls left, as the tail's input."""
-    for (_, split), key in zip(self.threaded.in_flight, self.in_keys):
-      if key not in self.env and not split.calls_left:
+    for (_, split), keys in zip(self.threaded.in_flight, self.in_keys):
+      if keys[0] not in self.env and not split.calls_left:
         with self.threaded._scope(split):
-          self.env[key] = split.finish()
+          self.env.update(zip(keys, split.finish_parts()))
 
-  def _next_window(self) -> None:
-    """Each collective in flight issues its next call; a new window opens."""
+  def _next_to_finish(self) -> int:
+    """The collective in flight with the fewest calls left: the one to advance when no
+    output is ready (the others keep their calls for the work its sum releases)."""
+    left = [(s.calls_left, c) for c, (_, s) in enumerate(self.threaded.in_flight) if s.calls_left]
+    return min(left)[1]
+
+  def _next_window(self, due=None) -> None:
+    """The collectives ``due`` (indices; default: every one in flight) issue their next
+    call, after the window's outputs (one barrier); a new window opens."""
+    in_flight = self.threaded.in_flight
+    every = range(len(in_flight)) if due is None else due
+    due = [c for c in every if in_flight[c][1].calls_left]
+    splits = [in_flight[c][1] for c in due]
+    if self.window_outputs:  # the next calls wait for the window's work
+      _pin_to(splits, self.window_outputs)
     self.window.clear()
-    self.window_bytes = 0
-    for _, split in self.threaded.in_flight:
-      if split.calls_left:
-        with self.threaded._scope(split):
-          split.advance()
+    self.window_outputs = []
+    for c, split in zip(due, splits):
+      self.since[c] = 0
+      with self.threaded._scope(split):
+        split.advance()
     self._collect_finished()
 
 
-def _window_budget(eqns, in_keys, out_keys, calls_left) -> float:
-  """The output bytes a window of the tail holds: of the outputs that do not depend on
-  the sum of the collective with the most calls left (``C`` of them; it finishes last),
-  ``1 / (C + 1)``, so its calls spread evenly over the work that can run before it is
-  done. Infinite when no collective has calls left."""
-  if not calls_left or max(calls_left) == 0:
-    return math.inf
-  last = in_keys[max(range(len(calls_left)), key=lambda i: calls_left[i])]
-  reads_last = {last}
-  free = 0
-  for item in eqns:
-    if any(a in reads_last for a in item.ins if isinstance(a, int)):
-      reads_last.update(item.outs)
-    else:
-      free += sum(
-        math.prod(v.aval.shape) * v.aval.dtype.itemsize
-        for k, v in zip(item.outs, item.eqn.outvars)
-        if k in out_keys
-      )
-  return free / (max(calls_left) + 1)
+def _cone(key, eqns, producer) -> list[int]:
+  """The positions of the equations ``key`` is computed from, in program order."""
+  found, stack = set(), [key]
+  while stack:
+    i = producer.get(stack.pop())
+    if i is None or i in found:
+      continue
+    found.add(i)
+    stack.extend(a for a in eqns[i].ins if isinstance(a, int))
+  return sorted(found)
+
+
+def _call_spacing(output_bytes, output_needs, calls_left) -> list[float]:
+  """The tail's output bytes between two calls of each collective in flight.
+
+  The collectives are taken to finish in the order of their calls left (fewest first).
+  What can cover collective ``c``'s calls is the outputs that need none of the sums of
+  ``c`` and of the collectives finishing after it (``output_needs``: the collectives'
+  indices each output reads); spread over ``c``'s ``C`` calls left, ``1 / (C + 1)`` of
+  those bytes a call. Infinite for a collective with no calls left."""
+  order = sorted(range(len(calls_left)), key=lambda i: calls_left[i])
+  spacing = [math.inf] * len(calls_left)
+  for rank, c in enumerate(order):
+    if not calls_left[c]:
+      continue
+    later = set(order[rank:])
+    free = sum(b for b, needs in zip(output_bytes, output_needs) if not needs & later)
+    spacing[c] = free / (calls_left[c] + 1)
+  return spacing
 
 
 def _pin_to(splits, values) -> list:
@@ -551,6 +600,11 @@ def _pin_to(splits, values) -> list:
   for i, v in zip(traced, pinned):
     values[i] = v
   return values
+
+
+def _key(atom):
+  """An operand's key, or None for a literal."""
+  return atom if isinstance(atom, int) else None
 
 
 def _nbytes(value) -> int:

@@ -1,12 +1,14 @@
 """LARS (You et al. 2017) with one reduction per step: the trust ratio of every leaf from
-one vector of squared norms.
+independent squared norms.
 
 ``optax.lars`` takes each leaf's norms through ``optax.safe_norm``, whose second norm
 depends on the first; inside ``sharded_update`` that is two rounds of reductions per step.
 ``scale_by_trust_ratio`` here computes the same ratio (``max(norm, min_norm)``, and a ratio
 of 1 where either norm is zero, as optax) from plain norms: all of a step's squared norms
 are independent, so ``sharded_update`` completes them with one ``psum`` of 2L floats for L
-leaves. Unsharded it equals optax's bitwise.
+leaves (its interpreter batches the deferred reductions). Unsharded it equals optax's
+bitwise, and each leaf's update reads that leaf's norms only, so
+``value_and_summed_grad(update=...)`` can step a leaf as soon as its bucket is summed.
 
 ``axis_name`` is for code that runs the transformation on shards itself, without
 ``sharded_update``: the squared norms are then summed over ``axis_name`` explicitly.
@@ -37,8 +39,9 @@ def scale_by_trust_ratio(
   *,
   axis_name: AxisName | None = None,
 ) -> optax.GradientTransformation:
-  """``optax.scale_by_trust_ratio`` with every leaf's norms in one vector (module doc);
-  with ``axis_name``, on leaves sharded over it, the squared norms summed over the shards."""
+  """``optax.scale_by_trust_ratio`` from plain norms, all independent (module doc); with
+  ``axis_name``, on leaves sharded over it, the squared norms summed over the shards in one
+  vector."""
 
   def update_fn(updates, state, params=None):
     if params is None:
@@ -47,10 +50,11 @@ def scale_by_trust_ratio(
     param_leaves = treedef.flatten_up_to(params)
     if not leaves:
       return updates, state
-    squares = jnp.stack([jnp.sum(jnp.square(x.astype(jnp.float32))) for x in param_leaves + leaves])
-    if axis_name is not None:
-      squares = lax.psum(squares, axis_name)
-    norms = jnp.sqrt(squares)
+    squares = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in param_leaves + leaves]
+    if axis_name is None:  # each leaf's ratio reads its own norms only
+      norms = [jnp.sqrt(square) for square in squares]
+    else:  # one psum of all of them
+      norms = jnp.sqrt(lax.psum(jnp.stack(squares), axis_name))
     scaled = []
     for i, (update, param) in enumerate(zip(leaves, param_leaves)):
       param_norm = jnp.maximum(norms[i], min_norm)
