@@ -312,10 +312,14 @@ def test_advance_points_are_leaves_computed_from_new_work():
 
 
 def test_tail_calls_are_spaced_over_the_work_that_can_cover_them():
-  """Collective 0 (1 call left) finishes first: nothing needs neither its sum nor the
-  other's, so its call has no work to wait for (spacing 0). Collective 1 (3 calls left)
-  is covered by the 100 bytes that need only collective 0's sum, a quarter a call (the
-  50 bytes reading both run after its last). No calls left: never due."""
-  spacing = overlap._call_spacing([100, 100, 50], [{0}, {1}, {0, 1}], [1, 3])
-  assert spacing == [0.0, 25.0]
-  assert overlap._call_spacing([100], [set()], [0, 4]) == [math.inf, 20.0]
+  """Collective 0 (1 call left) finishes first: every output needs its sum or the
+  other's, so nothing covers its call (spacing 0: a call after every output). Collective
+  1 (2 calls left) is covered by the work that needs only collective 0's sum (300, 100
+  and 20: the 50 and the 7 read collective 1's, the 0 is work another output did), a
+  window at least the 2nd largest; with more calls than such work, the smallest, but at
+  least half the mean over the calls' windows (420 / 10 / 2). No calls left: never due."""
+  work, needs = [300, 100, 50, 20, 0, 7], [{0}, {0}, {0, 1}, {0}, {0}, {1}]
+  assert overlap._call_spacing(work, needs, [1, 2]) == [0.0, 100.0]
+  assert overlap._call_spacing(work, needs, [1, 9]) == [0.0, 21.0]
+  assert overlap._call_spacing(work, needs, [1, 40]) == [0.0, 20.0]
+  assert overlap._call_spacing(work, needs, [0, 2]) == [math.inf, 100.0]

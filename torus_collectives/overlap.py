@@ -52,8 +52,8 @@ its DMAs are on the link):
    traced as one program, the *tail*, and evaluated equation by equation while those
    calls are issued (``_Tail``): whatever reads only finished buckets' sums runs between
    the calls of the buckets still in flight (every operand read through a barrier with
-   them), each collective's calls spaced evenly over the tail's output bytes that can
-   run before it is done (``_call_spacing``). The last bucket (the first layers'
+   them), each collective's calls spaced over the tail's work that can run before it is
+   done (``_call_spacing``). The last bucket (the first layers'
    gradients, which start after the last backward convolution) so overlaps the update
    of every other layer instead of nothing. An ``update`` that reads every leaf at once
    (a global norm clip) has nothing ready early and runs after the last call, as without.
@@ -432,9 +432,9 @@ class _Tail:
   So a leaf's update chain stays in one window and fuses; only the cone's reads from
   outside the window (the sums, the parameters and state, what earlier windows computed)
   pass a barrier with the collectives in flight, so the cone runs after their last call.
-  Each collective in flight issues its next call once the outputs since its last call
-  reach its spacing (``_call_spacing``), after a barrier with the window's outputs; a
-  new window opens whenever one does. A collective
+  Each collective in flight issues its next call once the work evaluated since its last
+  one reaches its spacing (``_call_spacing``), after a barrier with the window's outputs;
+  a new window opens whenever one does. A collective
   with no calls left is finished, and the outputs that read its sum become ready; when a
   pass finds no output ready, the collective with the fewest calls left issues one.
   """
@@ -461,11 +461,10 @@ class _Tail:
       {which[a] for i in self.cones[key] for a in self.eqns[i].ins if _key(a) in which}
       for key in self.outputs
     ]
-    avals = {k: v.aval for item in self.eqns for k, v in zip(item.outs, item.eqn.outvars)}
-    output_bytes = [math.prod(avals[k].shape) * avals[k].dtype.itemsize for k in self.outputs]
+    self.work = _output_work(self.eqns, self.outputs, self.cones)
     calls_left = [split.calls_left for _, split in threaded.in_flight]
-    self.spacing = _call_spacing(output_bytes, needs, calls_left)
-    self.since = [0] * len(calls_left)  # output bytes since each collective's last call
+    self.spacing = _call_spacing([self.work[k] for k in self.outputs], needs, calls_left)
+    self.since = [0.0] * len(calls_left)  # of it, since each collective's last call
     self.window: dict[Any, Any] = {}  # keys computed or pinned in the current window
     self.window_outputs: list[jax.Array] = []
 
@@ -495,15 +494,16 @@ class _Tail:
       self._evaluate(self.eqns[i])
       self.done.add(i)
     self.window_outputs.append(self.env[key])
-    due = []
-    for c, (_, split) in enumerate(self.threaded.in_flight):
-      if split.calls_left:
-        self.since[c] += _nbytes(self.env[key])
-        if self.since[c] >= self.spacing[c]:
-          due.append(c)
+    self.since = [since + self.work[key] for since in self.since]
+    due = [c for c, (_, split) in enumerate(self.threaded.in_flight) if self._due(c, split)]
     if due:
       self._next_window(due)
     return True
+
+  def _due(self, c: int, split) -> bool:
+    """Whether collective ``c`` issues its next call: the work evaluated since its last
+    one has reached its spacing."""
+    return bool(split.calls_left) and self.since[c] >= self.spacing[c]
 
   def _evaluate(self, item) -> None:
     flying = [split for _, split in self.threaded.in_flight if split.calls_left]
@@ -552,10 +552,25 @@ class _Tail:
     self.window.clear()
     self.window_outputs = []
     for c, split in zip(due, splits):
-      self.since[c] = 0
+      self.since[c] = 0.0
       with self.threaded._scope(split):
         split.advance()
     self._collect_finished()
+
+
+def _output_work(eqns, outputs, cones) -> dict[int, float]:
+  """Each output's work, for spacing the calls: its bytes, where its cone holds an
+  equation no earlier output's does (the momentum an update's cone computed holds none:
+  it is done by then), else 0."""
+  avals = {k: v.aval for item in eqns for k, v in zip(item.outs, item.eqn.outvars)}
+  seen: set[int] = set()
+  work = {}
+  for key in outputs:
+    fresh = set(cones[key]) - seen
+    seen |= fresh
+    nbytes = math.prod(avals[key].shape) * avals[key].dtype.itemsize
+    work[key] = float(nbytes) if fresh else 0.0
+  return work
 
 
 def _cone(key, eqns, producer) -> list[int]:
@@ -570,22 +585,33 @@ def _cone(key, eqns, producer) -> list[int]:
   return sorted(found)
 
 
-def _call_spacing(output_bytes, output_needs, calls_left) -> list[float]:
-  """The tail's output bytes between two calls of each collective in flight.
+def _call_spacing(output_work, output_needs, calls_left) -> list[float]:
+  """The tail's work (``_output_work``) that each collective in flight lets pass between
+  two of its calls.
 
   The collectives are taken to finish in the order of their calls left (fewest first).
   What can cover collective ``c``'s calls is the outputs that need none of the sums of
   ``c`` and of the collectives finishing after it (``output_needs``: the collectives'
-  indices each output reads); spread over ``c``'s ``C`` calls left, ``1 / (C + 1)`` of
-  those bytes a call. Infinite for a collective with no calls left."""
+  indices each output reads). Their work is lumpy (a convolution kernel's update beside
+  a batch norm scale's): the spacing is the ``C``-th largest of them for ``C`` calls
+  left (the smallest, where fewer), so that about ``C`` windows hold at least that much,
+  but at least half their mean over ``C + 1`` windows, so that a window of small outputs
+  only (a few scales and offsets) does not pass for one. 0 (a call after every output)
+  where nothing can cover them; infinite for a collective with no calls left."""
   order = sorted(range(len(calls_left)), key=lambda i: calls_left[i])
   spacing = [math.inf] * len(calls_left)
   for rank, c in enumerate(order):
     if not calls_left[c]:
       continue
     later = set(order[rank:])
-    free = sum(b for b, needs in zip(output_bytes, output_needs) if not needs & later)
-    spacing[c] = free / (calls_left[c] + 1)
+    free = sorted(
+      (w for w, needs in zip(output_work, output_needs) if w and not needs & later), reverse=True
+    )
+    if free:
+      lumpy = free[min(calls_left[c], len(free)) - 1]
+      spacing[c] = max(lumpy, sum(free) / (2 * (calls_left[c] + 1)))
+    else:
+      spacing[c] = 0.0
   return spacing
 
 
