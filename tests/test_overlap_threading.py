@@ -317,9 +317,11 @@ def test_tail_calls_are_spaced_over_the_work_that_can_cover_them():
   1 (2 calls left) is covered by the work that needs only collective 0's sum (300, 100
   and 20: the 50 and the 7 read collective 1's, the 0 is work another output did), a
   window at least the 2nd largest; with more calls than such work, the smallest, but at
-  least half the mean over the calls' windows (420 / 10 / 2). No calls left: never due."""
+  least a hop's bytes unless that passes their mean per call (420 / 10). No calls left:
+  never due."""
   work, needs = [300, 100, 50, 20, 0, 7], [{0}, {0}, {0, 1}, {0}, {0}, {1}]
-  assert overlap._call_spacing(work, needs, [1, 2]) == [0.0, 100.0]
-  assert overlap._call_spacing(work, needs, [1, 9]) == [0.0, 21.0]
-  assert overlap._call_spacing(work, needs, [1, 40]) == [0.0, 20.0]
-  assert overlap._call_spacing(work, needs, [0, 2]) == [math.inf, 100.0]
+  assert overlap._call_spacing(work, needs, [1, 2], [1, 1]) == [0.0, 100.0]
+  assert overlap._call_spacing(work, needs, [1, 9], [1, 1]) == [0.0, 20.0]
+  assert overlap._call_spacing(work, needs, [1, 9], [1, 30]) == [0.0, 30.0]
+  assert overlap._call_spacing(work, needs, [1, 9], [1, 90]) == [0.0, 42.0]
+  assert overlap._call_spacing(work, needs, [0, 2], [1, 1]) == [math.inf, 100.0]

@@ -463,7 +463,9 @@ class _Tail:
     ]
     self.work = _output_work(self.eqns, self.outputs, self.cones)
     calls_left = [split.calls_left for _, split in threaded.in_flight]
-    self.spacing = _call_spacing([self.work[k] for k in self.outputs], needs, calls_left)
+    hop_bytes = [_hop_bytes(split, threaded.sizes) for _, split in threaded.in_flight]
+    work = [self.work[k] for k in self.outputs]
+    self.spacing = _call_spacing(work, needs, calls_left, hop_bytes)
     self.since = [0.0] * len(calls_left)  # of it, since each collective's last call
     self.window: dict[Any, Any] = {}  # keys computed or pinned in the current window
     self.window_outputs: list[jax.Array] = []
@@ -585,7 +587,7 @@ def _cone(key, eqns, producer) -> list[int]:
   return sorted(found)
 
 
-def _call_spacing(output_work, output_needs, calls_left) -> list[float]:
+def _call_spacing(output_work, output_needs, calls_left, hop_bytes) -> list[float]:
   """The tail's work (``_output_work``) that each collective in flight lets pass between
   two of its calls.
 
@@ -595,9 +597,10 @@ def _call_spacing(output_work, output_needs, calls_left) -> list[float]:
   indices each output reads). Their work is lumpy (a convolution kernel's update beside
   a batch norm scale's): the spacing is the ``C``-th largest of them for ``C`` calls
   left (the smallest, where fewer), so that about ``C`` windows hold at least that much,
-  but at least half their mean over ``C + 1`` windows, so that a window of small outputs
-  only (a few scales and offsets) does not pass for one. 0 (a call after every output)
-  where nothing can cover them; infinite for a collective with no calls left."""
+  but at least the bytes one of its hops sends (``hop_bytes``), so that a window of a few
+  scales and offsets does not pass for one, unless that is more than their mean per call.
+  0 (a call after every output) where nothing can cover them; infinite for a collective
+  with no calls left."""
   order = sorted(range(len(calls_left)), key=lambda i: calls_left[i])
   spacing = [math.inf] * len(calls_left)
   for rank, c in enumerate(order):
@@ -609,10 +612,17 @@ def _call_spacing(output_work, output_needs, calls_left) -> list[float]:
     )
     if free:
       lumpy = free[min(calls_left[c], len(free)) - 1]
-      spacing[c] = max(lumpy, sum(free) / (2 * (calls_left[c] + 1)))
+      spacing[c] = max(lumpy, min(hop_bytes[c], sum(free) / (calls_left[c] + 1)))
     else:
       spacing[c] = 0.0
   return spacing
+
+
+def _hop_bytes(split, sizes) -> float:
+  """The bytes one call of ``split`` sends on a link: a stream's part over the largest
+  ring."""
+  parts = split.parts_like
+  return sum(_nbytes(p) for p in parts) / (len(parts) * max(sizes))
 
 
 def _pin_to(splits, values) -> list:
