@@ -204,19 +204,17 @@ class SplitCollective:
   def finish(self) -> jax.Array:
     """Issues every call left; returns the collective's result (its first
     ``result_elements`` elements, if given: the length before padding)."""
-    return self.join(self.finish_parts())
+    parts = self.finish_parts()
+    out = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+    return out if self.result_elements is None else out[: self.result_elements]
 
   def finish_parts(self) -> list[jax.Array]:
     """Issues every call left; returns each stream's part of the result, unjoined (a
-    barrier on the parts copies nothing, where one on their join would materialize it)."""
+    barrier on the parts copies nothing, and pieces sliced from them need no buffer of the
+    whole: ``packing.unpack_parts``)."""
     while self.calls_left:
       self.advance()
     return [stream.value for stream in self._streams]
-
-  def join(self, parts) -> jax.Array:
-    """The result from ``finish_parts``' parts (or arrays like them)."""
-    out = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-    return out if self.result_elements is None else out[: self.result_elements]
 
 
 def run(

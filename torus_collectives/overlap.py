@@ -297,8 +297,8 @@ class _Threaded:
 
     def tail(*parts):  # the buckets' sums' parts, in start order -> gradient_then(leaves)
       summed: dict[int, jax.Array] = {}
-      for (bucket, split), bucket_parts, sizes in zip(self.in_flight, parts, widths):
-        summed.update(zip(bucket, packing.unpack(split.join(bucket_parts), sizes)))
+      for (bucket, _), bucket_parts, sizes in zip(self.in_flight, parts, widths):
+        summed.update(zip(bucket, packing.unpack_parts(bucket_parts, sizes)))
       return gradient_then([summed[i] for i in range(len(grad_leaves))])
 
     if threaded:
