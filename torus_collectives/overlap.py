@@ -53,9 +53,9 @@ its DMAs are on the link):
    calls are issued (``_Tail``): whatever reads only finished buckets' sums runs between
    the calls of the buckets still in flight (every operand read through a barrier with
    them), each collective's calls spaced over the tail's work that can run before it is
-   done (``_call_spacing``). The last bucket (the first layers'
-   gradients, which start after the last backward convolution) so overlaps the update
-   of every other layer instead of nothing. An ``update`` that reads every leaf at once
+   done (``_call_spacing``). The last bucket (the first layers' gradients, which start
+   after the last backward convolution) so overlaps the update of every other layer
+   instead of nothing. An ``update`` that reads every leaf at once
    (a global norm clip) has nothing ready early and runs after the last call, as without.
 
 The result is that of ``jax.value_and_grad(fun)`` followed by
@@ -248,7 +248,7 @@ class _Threaded:
 
   def run(self, closed, flat_args, grad_leaves, gradient_then, update) -> tuple[list, Any]:
     """(the value's leaves, ``gradient_then(the summed gradient leaves)``) of the traced
-    program; ``update`` given, ``gradient_then``'s work is threaded too (``_run_tail``)."""
+    program; ``update`` given, ``gradient_then``'s work is threaded too (``_Tail``)."""
     counter = itertools.count()
     constants: dict[int, Any] = {}
     in_keys = [next(counter) for _ in flat_args]
@@ -441,9 +441,9 @@ class _Tail:
   pass a barrier with the collectives in flight, so the cone runs after their last call.
   Each collective in flight issues its next call once the work evaluated since its last
   one reaches its spacing (``_call_spacing``), after a barrier with the window's outputs;
-  a new window opens whenever one does. A collective
-  with no calls left is finished, and the outputs that read its sum become ready; when a
-  pass finds no output ready, the collective with the fewest calls left issues one.
+  a new window opens whenever one does. A collective with no calls left is finished, and
+  the outputs that read its sum become ready; when a pass finds no output ready, the
+  collective with the fewest calls left issues one.
   """
 
   def __init__(self, threaded: _Threaded, tail: Callable):
