@@ -67,6 +67,12 @@ def _parse(argv):
     default=None,
     help="thread the summation through the backward pass (config.grad_overlap)",
   )
+  parser.add_argument(
+    "--threaded-update",
+    choices=("on", "off"),
+    default="on",
+    help="with --grad-overlap on: the optimizer's step threaded too, or after the last call",
+  )
   parser.add_argument("--bucket-mib", type=float, default=None, help="gradient bucket size")
   parser.add_argument(
     "--dump-hlo", default=None, help="write the compiled program here (--rows: a directory)"
@@ -88,10 +94,12 @@ def lower_train_step(
   bucket_bytes=None,
   overlap=None,
   mesh_shape=None,
+  threaded_update=True,
 ):
   """The example's train step, lowered for ``topology`` with abstract state and batch;
-  ``overlap``: ``config.grad_overlap`` (None: the config's); ``mesh_shape``: a torus mesh
-  of that shape (``aot_report.topology_mesh``; default 2-D)."""
+  ``overlap``: ``config.grad_overlap`` (None: the config's); ``threaded_update`` False:
+  with it, the optimizer's step after the last call (``update_after``); ``mesh_shape``: a
+  torus mesh of that shape (``aot_report.topology_mesh``; default 2-D)."""
   mesh = topology_mesh(topology, mesh_shape)
   config = imagenet.get_config(global_batch=batch * mesh.devices.size)
   config.model = model
@@ -126,6 +134,9 @@ def lower_train_step(
     "image": jax.ShapeDtypeStruct((examples, size, size, 3), dtype, sharding=split),
     "label": jax.ShapeDtypeStruct((examples,), jnp.int32, sharding=split),
   }
+  threading = train.gradient_threading(config)
+  if threading is not None and not threaded_update:
+    threading = update_after(threading)
   step = train.make_train_step(
     net,
     tx,
@@ -136,9 +147,26 @@ def lower_train_step(
     average_gradients=train.gradient_averaging(config),
     opt_state_spec=opt_state_spec,
     layout=layout,
-    value_and_averaged_grad=train.gradient_threading(config),
+    value_and_averaged_grad=threading,
   )
   return mesh, jax.jit(step).lower(state, inputs)
+
+
+def update_after(value_and_averaged_grad):
+  """``value_and_averaged_grad`` (``train.gradient_threading``'s) with its ``update``
+  applied to the summed gradient it returns, after the last call, rather than threaded
+  behind the summation: the step ``value_and_summed_grad`` gives without ``update``."""
+
+  def wrapped(loss_fn, axes, update=None):
+    summed = value_and_averaged_grad(loss_fn, axes)
+
+    def run(*args):
+      value, grads = summed(*args)
+      return value, grads if update is None else update(grads)
+
+    return run
+
+  return wrapped
 
 
 def calibrated_clock(mesh, generation: str, sizes=(2048, 4096, 8192)) -> float:
@@ -309,6 +337,7 @@ def main(argv=None) -> None:
     sharded,
     None if args.bucket_mib is None else int(args.bucket_mib * 2**20),
     None if args.grad_overlap is None else args.grad_overlap == "on",
+    threaded_update=args.threaded_update == "on",
   )
   compiled = lowered.compile()
   text = compiled.as_text()

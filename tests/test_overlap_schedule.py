@@ -294,3 +294,21 @@ def test_split_schedule_problems_name_a_copied_buffer_and_an_empty_window():
   assert hlo_schedule.split_schedule_problems(hlo_schedule.entry_ops(text)) == [
     "start: no backward convolution between its first and last call"
   ]
+
+
+def test_the_reports_update_after_applies_the_update_to_the_summed_gradient():
+  """``--threaded-update off``: the threaded summation called without ``update``, and the
+  update applied to what it returns."""
+  overlap_report = pytest.importorskip("bench.overlap_report")
+  calls = []
+
+  def value_and_averaged_grad(loss_fn, axes, update=None):
+    calls.append(update)
+    return lambda params: (loss_fn(params), params * 2.0)
+
+  wrapped = overlap_report.update_after(value_and_averaged_grad)
+  value, stepped = wrapped(lambda p: p.sum(), ("x",), update=lambda g: g + 1.0)(jnp.ones(3))
+  assert calls == [None]
+  assert float(value) == 3.0
+  assert stepped.tolist() == [3.0, 3.0, 3.0]
+  assert wrapped(lambda p: p.sum(), ("x",))(jnp.ones(2))[1].tolist() == [2.0, 2.0]

@@ -465,7 +465,12 @@ class _Tail:
     self.done: set[int] = set()  # the equations evaluated
     which = {key: c for c, keys in enumerate(self.in_keys) for key in keys}
     needs = [
-      {which[a] for i in self.cones[key] for a in self.eqns[i].ins if _key(a) in which}
+      {
+        which[a]
+        for i in self.cones[key]
+        for a in self.eqns[i].ins
+        if isinstance(a, int) and a in which
+      }
       for key in self.outputs
     ]
     self.work = _output_work(self.eqns, self.outputs, self.cones)
@@ -643,11 +648,6 @@ def _pin_to(splits, values) -> list:
   for i, v in zip(traced, pinned):
     values[i] = v
   return values
-
-
-def _key(atom):
-  """An operand's key, or None for a literal."""
-  return atom if isinstance(atom, int) else None
 
 
 def _nbytes(value) -> int:
