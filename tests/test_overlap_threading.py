@@ -50,12 +50,12 @@ def _loss(params, x):
 
 
 def _sgd(params):
-  """An optimizer step exact on integers: ``p - 2 g`` per leaf (of each leaf's own
+  """An optimizer step exact on integers: ``p + neg(2 g)`` per leaf (of each leaf's own
   gradient, so its work can run while later buckets are in flight) and the sum of every
   gradient (which waits for all of them)."""
 
   def update(grads):
-    stepped = jax.tree.map(lambda p, g: p - 2.0 * g, params, grads)
+    stepped = jax.tree.map(lambda p, g: p + lax.neg(2.0 * g), params, grads)
     return stepped, sum(jnp.sum(g) for g in jax.tree.leaves(grads))
 
   return update
@@ -179,10 +179,10 @@ def test_threaded_update_matches_lax(mode, mean):
 
 @pytest.mark.interpret
 def test_update_of_finished_buckets_runs_between_the_last_buckets_calls():
-  """The update's work on the leaves whose buckets are done (its ``sub`` equations: the
+  """The update's work on the leaves whose buckets are done (its ``neg`` equations: the
   backward pass has none) is traced between the calls of the last bucket, which the
-  backward pass left with nothing to overlap; the subtractions of the last bucket's own
-  leaf (``w1``) come after its last call."""
+  backward pass left with nothing to overlap; the negation of the last bucket's own
+  leaf's step (``w1``) comes after its last call."""
   x, params = _inputs()
   mesh = harness.mesh((2, 4), AXES)
 
@@ -193,12 +193,12 @@ def test_update_of_finished_buckets_runs_between_the_last_buckets_calls():
   fn = jax.shard_map(body, mesh=mesh, in_specs=(P(AXES), P()), out_specs=P(), check_vma=False)
   with async_interpret_mode("eager", deadlock_timeout_s=60.0):
     jaxpr = jax.make_jaxpr(fn)(x, params).jaxpr
-  order = _program_order(jaxpr, [], also=("sub",))
+  order = _program_order(jaxpr, [], also=("neg",))
   last = [i for i, (what, b) in enumerate(order) if what == "call" and b == 2]
-  subs = [i for i, (what, _) in enumerate(order) if what == "sub"]
-  assert len(subs) == 4, order
-  assert sum(last[0] < i < last[-1] for i in subs) == 3, (last, subs)  # w3, b, w2
-  assert max(subs) > last[-1]  # w1's
+  negs = [i for i, (what, _) in enumerate(order) if what == "neg"]
+  assert len(negs) == 4, order
+  assert sum(last[0] < i < last[-1] for i in negs) == 3, (last, negs)  # w3, b, w2
+  assert max(negs) > last[-1]  # w1's
 
 
 @pytest.mark.parametrize("implementation", ["xla", "auto"])
@@ -225,33 +225,31 @@ def test_exported_from_the_package():
   assert tc.value_and_summed_grad is overlap.value_and_summed_grad
 
 
-def test_an_operands_fusible_ancestry_stops_at_its_frontier(monkeypatch):
-  """``_ancestry`` walks back through elementwise and layout equations only: for
-  ``max(cumsum(x) * s, 0) @ w`` the matmul's left operand is computed by the multiply
-  and the maximum, from the frontier ``s`` (a program input) and the ``cumsum`` (not
-  fusible); the limit turns the rest of a long chain into frontier."""
-
-  def fun(x, s, w):
-    return jnp.maximum(jnp.cumsum(x, axis=1) * s, 0.0) @ w
-
-  args = (jnp.ones((4, 8)), jnp.ones((4, 8)), jnp.ones((8, 2)))
+def _inlined(fun, *args):
   closed = jax.make_jaxpr(fun)(*args)
   counter = itertools.count()
   in_keys = [next(counter) for _ in args]
   eqns, _ = inlining.inline(closed.jaxpr, closed.consts, in_keys, counter, {})
-  producer = {key: item for item in eqns for key in item.outs}
-  produced_at = {key: i for i, item in enumerate(eqns) for key in item.outs}
-  (matmul,) = [item for item in eqns if item.eqn.primitive.name == "dot_general"]
-  (cumsum,) = [item for item in eqns if item.eqn.primitive.name == "cumsum"]
-  chain, frontier = overlap._ancestry(matmul.ins[0], producer, produced_at)
-  assert [link.eqn.primitive.name for link in chain] == ["mul", "max"]
-  assert sorted(frontier) == sorted([cumsum.outs[0], in_keys[1]])
-  chain, frontier = overlap._ancestry(matmul.ins[1], producer, produced_at)
-  assert (chain, frontier) == ([], [in_keys[2]])
-  monkeypatch.setattr(overlap, "ANCESTRY_LIMIT", 1)
-  chain, frontier = overlap._ancestry(matmul.ins[0], producer, produced_at)
-  (multiply,) = [item for item in eqns if item.eqn.primitive.name == "mul"]
-  assert ([link.eqn.primitive.name for link in chain], frontier) == (["max"], list(multiply.outs))
+  return eqns, {key: item for item in eqns for key in item.outs}
+
+
+def test_the_operand_that_waits_for_the_call_is_one_computation_produced():
+  """``_computed``: for ``max(cumsum(x) * s, 0) @ transpose(w)`` the matmul's left
+  operand is computed (so the zero from the barrier is subtracted there, fused with its
+  producers), the right one is the input ``w`` moved by a layout change only (less a
+  zero it would be laid out anew), as is a flipped, cast input."""
+
+  def fun(x, s, w):
+    return jnp.maximum(jnp.cumsum(x, axis=1) * s, 0.0) @ w.T, x @ jnp.flip(
+      w.astype(jnp.bfloat16).T, 0
+    )
+
+  eqns, producer = _inlined(fun, jnp.ones((4, 8)), jnp.ones((4, 8)), jnp.ones((2, 8)))
+  first, second = [item for item in eqns if item.eqn.primitive.name == "dot_general"]
+  assert overlap._computed(first.ins[0], producer)
+  assert not overlap._computed(first.ins[1], producer)
+  assert not overlap._computed(second.ins[0], producer)  # a program input
+  assert not overlap._computed(second.ins[1], producer)
 
 
 class _CountingSplit:

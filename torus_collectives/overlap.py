@@ -22,16 +22,19 @@ its DMAs are on the link):
    ``async_torus.pin``), which are data dependencies XLA cannot reorder:
 
    * *operand side*: each *heavy* equation (``HEAVY``: a convolution or a matmul) reads
-     one operand rebuilt from pinned values, so it runs after the last call issued. Not
-     the operand itself: a barrier there would stop XLA fusing the operand's elementwise
-     producers (the batch norm's scale, the ReLU mask, a pad) into the convolution. The
-     operand's fusible ancestry (``FUSIBLE`` equations) is replayed on its frontier
-     values, the outputs of the non-fusible equations before it, pinned; of the
-     operands, the one whose frontier is fewest bytes.
+     one operand less a zero that comes out of the barrier (``_after_last_call``), so it
+     runs after the last call issued. Not the operand itself through the barrier: that
+     would stop XLA fusing the operand's elementwise producers (the batch norm's scale,
+     the ReLU mask, a pad) into the convolution, where the subtraction fuses with them.
+     The operand is one that computation produced, not an input only laid out for the
+     convolution (the images, a flipped weight): those XLA lays out once for the
+     forward and backward passes together.
    * *result side*: the *advance points* (``_advance_points``) are the equations that
      compute a gradient leaf from work done since the previous point (a weight gradient's
      convolution, a batch norm's scale and offset gradients): about three a layer. At
-     each, the leaf passes a barrier (so the next call waits for the window's work) and
+     each, the leaf passes a barrier with the collectives in flight, so the next call
+     waits for the window's work (the backward pass reads the leaf as computed: a batch
+     norm's sums feed its input gradient, which the barrier would cut off from them), and
      each in-flight collective issues its next call if it is due: a collective with
      ``C`` calls left when it starts, ``T`` points before the end, issues ``j * C // T``
      by its ``j``-th point. So its calls spread evenly over the windows left, one a
@@ -78,17 +81,16 @@ Assumptions and limits:
   threaded form; otherwise ``all_reduce_gradients(implementation="auto")``.
 * Only the default transport (the leaves' own dtype); ``transport_dtype`` and error
   feedback go through ``all_reduce_gradients``.
-* The pins still cost some fusion. By the compiler's estimate, ResNet-50 on v5e:2x4 (batch
-  32 per replica) computes for 22.42 ms threaded against 20.76 ms blocking
-  (``bench.overlap_report --model resnet50 --batch 32 --grad-overlap on`` and ``off``):
-  mostly convolution fusions (+0.6 ms) and copies of the gradient leaves pinned at the
-  advance points (+0.37 ms). On ResNet-18 (v5e:2x4, batch 8) an earlier form of these
-  pins computed for 3.11 ms against blocking's 2.95 ms; pinning every heavy equation's
-  operands and results cost 3.98 ms, and pinning the batch-norm reductions' operands as
-  well 4.30 ms. On v5e:16x16 (batch 32) the threaded step with its update threaded
-  computes for 22.96 ms, 0.29 ms more than with the update after the last call, mostly
-  leaf slices of the pinned stream parts that XLA does not fuse (+0.23 ms); it exposes
-  0.448 ms of gradient communication against 0.542 ms.
+* The pins still cost some compute. By the compiler's estimate, ResNet-50 on v5e:2x4
+  (batch 32 per replica, update threaded) computes for 21.56 ms threaded against 20.74 ms
+  blocking (``bench.overlap_report --model resnet50 --batch 32 --grad-overlap on`` and
+  ``off``), and its step estimate is 21.64 against 22.19 ms. Of the 0.82 ms: slices of
+  the stream parts that XLA does not fuse into the update (0.18 ms), cutting each packed
+  bucket into its streams' parts (0.15 ms) and batch-norm reductions split in two
+  (about 0.2 ms). Earlier forms cost more: replaying each heavy operand's elementwise
+  ancestry on pinned inputs computed for 22.67 ms, and the zero subtracted from the
+  smallest operand whatever it was, 22.08 ms (the images, less a zero, were laid out
+  anew for the first layer's weight gradient: a 0.43 ms copy).
 * The tail's windows are its outputs' update chains, one or more a window; a large
   leaf's update is never split. ResNet-50's is a few large kernel updates beside many
   small scales, so on v5e:16x16 only 25 of the 63 windows between the last bucket's 64
@@ -133,22 +135,10 @@ from torus_collectives.gradients import (
 # The equations whose work a window between two collective calls holds: the backward
 # pass's convolutions and matmuls (everything else is cheap beside them).
 HEAVY = frozenset({"conv_general_dilated", "dot_general"})
-# The equations XLA fuses into a convolution's or a matmul's operand (elementwise maths,
-# casts, layout changes): a pin placed before them would cut that fusion.
-FUSIBLE = frozenset(
-  "add add_any sub mul div max min neg exp log rsqrt sqrt abs sign tanh logistic"
-  " integer_pow square convert_element_type select_n and or not eq ne lt le gt ge"
-  " broadcast_in_dim reshape squeeze expand_dims transpose rev pad slice copy copy_p"
-  " pvary".split()
-)
 # Equations that move no data of their own (XLA makes them bitcasts or fuses them).
 LAYOUT = frozenset(
   "reshape squeeze expand_dims broadcast_in_dim convert_element_type transpose copy copy_p".split()
 )
-# The most fusible equations an operand's replayed ancestry may hold: past it, the rest is
-# pinned as frontier and materialized (a ResNet-50 batch norm's backward chain holds a
-# few hundred; at 64 its broadcasts were materialized, 0.9 ms of compute on v5e).
-ANCESTRY_LIMIT = 512
 
 
 def value_and_summed_grad(
@@ -279,12 +269,12 @@ class _Threaded:
       if communicates:
         operands = self._pin(operands)
       elif self.in_flight and name in HEAVY:
-        operands = self._pin_frontier(item, operands, env, producer, produced_at)
+        operands = self._after_last_call(item, operands, producer)
       results = _evaluate(item.eqn, operands)
       if communicates:
         results = self._pin(results)
       if position in points:
-        results = self._pin(results)
+        self._pin(results)  # for the next call's sake: the window's consumers read them unpinned
         self._advance_due(position)
       if _communicates(name):
         self.last_communicated = [r for r in results if isinstance(r, jax.Array)]
@@ -340,29 +330,28 @@ class _Threaded:
     collective started so far (finished ones too: with their result), in start order."""
     return _pin_to([split for _, split in self.in_flight], values)
 
-  def _pin_frontier(self, item, operands, env, producer, produced_at):
-    """The heavy equation ``item``'s operands, one of them rebuilt after the last call
-    issued: of the operands' fusible ancestries (``_ancestry``), the one whose frontier
-    is fewest bytes is replayed on its frontier values, pinned. The convolution still
-    fuses with the replayed chain (a pin on the operand itself would cut that fusion),
-    and it cannot run before the call, since everything it reads passed the barrier."""
-    best = None
-    for i, atom in enumerate(item.ins):
-      if not isinstance(atom, int):
-        continue
-      chain, frontier = _ancestry(atom, producer, produced_at)
-      cost = sum(_nbytes(env[k]) for k in frontier)
-      if best is None or cost < best[0]:
-        best = (cost, i, chain, frontier)
-    if best is None:
+  def _after_last_call(self, item, operands, producer):
+    """The heavy equation ``item``'s operands, one of them less a zero that comes out of
+    a barrier with the collectives in flight: the equation then cannot run before the
+    last call issued, yet XLA still fuses the operand's producers (the batch norm's
+    scale, the ReLU mask, a pad) and the subtraction into the convolution, as a barrier
+    on the operand itself would not let it. ``x - 0`` is ``x`` exactly for every float
+    (``-0`` and NaN included) and integer.
+
+    The operand is the smallest one that computation produced (``_computed``), not an
+    input moved into place by layout equations: a program input (the images) or a
+    weight cast and flipped for a transposed convolution is laid out for the convolution
+    once and shared with the forward pass, and less a zero it would be copied again
+    (0.43 ms for the images on v5e). Failing that, the smallest operand."""
+    traced = [i for i, v in enumerate(operands) if isinstance(v, jax.Array)]
+    if not traced:
       return operands
-    _, i, chain, frontier = best
-    local = dict(zip(frontier, self._pin([env[k] for k in frontier])))
-    for link in chain:
-      ins = [local[a] if isinstance(a, int) and a in local else _read(env, a) for a in link.ins]
-      local.update(zip(link.outs, _evaluate(link.eqn, ins)))
+    computed = [i for i in traced if _computed(item.ins[i], producer)]
+    i = min(computed or traced, key=lambda k: _nbytes(operands[k]))
+    dtype = operands[i].dtype
+    (zero,) = self._pin([jnp.zeros((), dtype)])  # False for booleans, taken by ``or``
     operands = list(operands)
-    operands[i] = local[item.ins[i]]
+    operands[i] = operands[i] | zero if dtype == jnp.bool_ else operands[i] - zero
     return operands
 
   def _finish_in_turn(self) -> None:
@@ -408,24 +397,14 @@ def _advance_points(eqns, leaf_keys, first_start: int) -> list[int]:
   return points
 
 
-def _ancestry(key, producer, produced_at) -> tuple[list, list[int]]:
-  """(the ``FUSIBLE`` equations that compute ``key``, in program order; the keys they
-  read that no such equation produced, the frontier: outputs of other equations, program
-  inputs and constants). At most ``ANCESTRY_LIMIT`` equations; past it, the rest is
-  frontier."""
-  chain, frontier, seen, stack = {}, [], set(), [key]
-  while stack:
-    k = stack.pop()
-    if k in seen:
-      continue
-    seen.add(k)
-    item = producer.get(k)
-    if item is None or item.eqn.primitive.name not in FUSIBLE or len(chain) >= ANCESTRY_LIMIT:
-      frontier.append(k)
-      continue
-    chain[id(item)] = item
-    stack.extend(a for a in item.ins if isinstance(a, int))
-  return sorted(chain.values(), key=lambda it: produced_at[it.outs[0]]), frontier
+def _computed(key, producer) -> bool:
+  """Whether ``key`` is computed by an equation other than a layout change (``LAYOUT``,
+  ``rev``), through any such changes: not a program input or constant moved into place."""
+  item = producer.get(key) if isinstance(key, int) else None
+  while item is not None and item.eqn.primitive.name in LAYOUT | {"rev"}:
+    key = item.ins[0]
+    item = producer.get(key) if isinstance(key, int) else None
+  return item is not None
 
 
 class _Tail:
