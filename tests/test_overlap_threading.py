@@ -8,9 +8,9 @@
   flight at once.
 * In the traced program, each bucket's start comes after the equation producing its last
   leaf and before at least one later backward matmul, and its done after that matmul.
-* The operand pin's ancestry walk stops at non-fusible equations and at its limit; the
-  advance points are the leaves computed from new work, and each collective's calls
-  spread evenly over the points left after its start.
+* The operand that waits for the last call is one computation produced, not an input
+  only laid out for the matmul; the advance points are the leaves computed from new
+  work, and each collective's calls spread evenly over the points left after its start.
 * Other implementations ("xla", "auto") are ``value_and_grad`` then
   ``all_reduce_gradients``, unchanged.
 """
