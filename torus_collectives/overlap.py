@@ -86,11 +86,12 @@ Assumptions and limits:
   blocking (``bench.overlap_report --model resnet50 --batch 32 --grad-overlap on`` and
   ``off``), and its step estimate is 21.64 against 22.19 ms. Of the 0.82 ms: slices of
   the stream parts that XLA does not fuse into the update (0.18 ms), cutting each packed
-  bucket into its streams' parts (0.15 ms) and batch-norm reductions split in two
-  (about 0.2 ms). Earlier forms cost more: replaying each heavy operand's elementwise
-  ancestry on pinned inputs computed for 22.67 ms, and the zero subtracted from the
-  smallest operand whatever it was, 22.08 ms (the images, less a zero, were laid out
-  anew for the first layer's weight gradient: a 0.43 ms copy).
+  bucket into its streams' parts (0.15 ms), and the rest (about 0.5 ms) reduction, pad
+  and convolution fusions that XLA forms differently around the barriers (the batch
+  norms' reductions in 164 fusions against 109). Earlier forms cost more: replaying each
+  heavy operand's elementwise ancestry on pinned inputs computed for 22.67 ms, and the
+  zero subtracted from the smallest operand whatever it was, 22.08 ms (the images, less
+  a zero, were laid out anew for the first layer's weight gradient: a 0.43 ms copy).
 * The tail's windows are its outputs' update chains, one or more a window; a large
   leaf's update is never split. ResNet-50's is a few large kernel updates beside many
   small scales, so on v5e:16x16 only 25 of the 63 windows between the last bucket's 64
