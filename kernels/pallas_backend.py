@@ -283,3 +283,41 @@ def split_all_reduce(x: jax.Array, axes: Sequence[str], torus: Sequence[int]):
   return split_collectives.SplitCollective(
     "all_reduce", flat, axes_and_sizes, mesh_axes, result_elements=n, variant="torus_split"
   )
+
+
+def split_reduce_scatter(x: jax.Array, axes: Sequence[str], torus: Sequence[int]):
+  """``[p*m] -> [m']`` as a ``split_collectives.SplitCollective`` in the torus variant (one
+  stream, lax's chunk order: device ``d`` keeps the sum of chunk ``d``). Each chunk is
+  zero-padded at its end to ``m'`` elements, whole DMA words; the result's first ``m``
+  elements are the sum (``finish`` cuts the padding off, ``finish_parts`` keeps it)."""
+  _check(x, axes, torus)
+  mesh_axes, _ = _target()
+  p = math.prod(torus)
+  rows = _padded_rows(x.reshape(p, -1), torus)
+  return split_collectives.SplitCollective(
+    "reduce_scatter",
+    ensure_varying(rows.reshape(-1), tuple(axes)),
+    list(zip(axes, torus)),
+    mesh_axes,
+    result_elements=x.size // p,
+  )
+
+
+def split_all_gather(x: jax.Array, axes: Sequence[str], torus: Sequence[int]):
+  """``[m] -> [p*m']`` as a ``split_collectives.SplitCollective`` in the torus variant (one
+  stream): ``x`` zero-padded at its end to ``m'`` elements, whole DMA words, so the result
+  is the ``[p, m']`` rows flattened, row ``d`` device ``d``'s padded ``x``."""
+  _check(x, axes, torus)
+  mesh_axes, _ = _target()
+  row = _padded_rows(x[None], torus)[0]
+  return split_collectives.SplitCollective(
+    "all_gather", ensure_varying(row, tuple(axes)), list(zip(axes, torus)), mesh_axes
+  )
+
+
+def _padded_rows(rows: jax.Array, torus: Sequence[int]) -> jax.Array:
+  """``[r, m]`` rows zero-padded at their ends to the fewest whole DMA words per device
+  that a split collective over ``torus`` takes."""
+  p, m = math.prod(torus), rows.shape[1]
+  padded = split_collectives.padded_elements(p * m, torus, rows.dtype.itemsize) // p
+  return jnp.pad(rows, ((0, 0), (0, padded - m)))

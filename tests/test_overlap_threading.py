@@ -277,6 +277,7 @@ def test_calls_spread_evenly_over_the_points_left(calls, points, expected):
   threaded = overlap._Threaded(None, AXES, (2, 4), BUCKET_BYTES)
   split = _CountingSplit(calls)
   threaded.in_flight = [([0], split)]
+  threaded.scopes = {id(split): ("gradient_summation", 0)}
   threaded.pacing = {id(split): (calls, list(range(1, points + 1)))}
   for position in range(1, points + 1):
     split.position = position

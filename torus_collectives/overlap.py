@@ -61,6 +61,13 @@ its DMAs are on the link):
    instead of nothing. An ``update`` that reads every leaf at once
    (a global norm clip) has nothing ready early and runs after the last call, as without.
 
+The same machinery threads weight-update sharding through a whole step
+(``weight_update.threaded``): a ``Summation`` says how a bucket is packed and which split
+collective sums it (here the all-reduce; there ``sharded_update``'s rows and a
+reduce-scatter), and a ``Gathering`` makes program inputs (the parameters) arrive by split
+all-gathers started before the first equation, each paced over the heavy equations
+before its first read and finished at that read.
+
 The result is that of ``jax.value_and_grad(fun)`` followed by
 ``all_reduce_gradients(grads, axis_name, mean=mean, bucket_bytes=bucket_bytes,
 implementation=implementation)`` (and ``update`` of that): the same buckets, summed by
@@ -113,6 +120,7 @@ Assumptions and limits:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable
@@ -129,6 +137,7 @@ from torus_collectives.collectives import AxisName
 from torus_collectives.gradients import (
   DEFAULT_BUCKET_BYTES,
   GRADIENT_SCOPE,
+  WEIGHT_GATHER_SCOPE,
   all_reduce_gradients,
   summation_request,
 )
@@ -142,6 +151,47 @@ LAYOUT = frozenset(
 )
 # What lays an input out for a convolution without computing on it (``_computed``).
 LAID_OUT = LAYOUT | {"rev"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Summation:
+  """How the threaded backward pass sums one bucket of gradient leaves: ``pack`` (the
+  leaves -> one flat buffer), ``start`` (the buffer -> its split collective, no call
+  issued yet) and ``width`` (a leaf -> the length of its piece of the result, the pieces
+  lying side by side in bucket order, padding after them)."""
+
+  pack: Callable[[list[jax.Array]], jax.Array]
+  start: Callable[[jax.Array], Any]
+  width: Callable[[Any], int]
+
+
+def all_reduced(split_all_reduce, names, sizes) -> Summation:
+  """The all-reduce of ``value_and_summed_grad``: the leaves flattened side by side."""
+  return Summation(
+    pack=lambda leaves: ensure_varying(
+      packing.pack([jnp.asarray(leaf).reshape(-1) for leaf in leaves]), names
+    ),
+    start=lambda flat: split_all_reduce(flat, names, sizes),
+    width=lambda leaf: math.prod(leaf.shape),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Gathering:
+  """Program inputs that arrive by split all-gathers threaded through the forward pass
+  (weight-update sharding's parameters, ``weight_update.threaded``).
+
+  ``indices``: the flat arguments gathered (their values passed to ``run`` only stand in
+  for their types); ``like``: their shapes and dtypes; ``pack``: leaf numbers (into
+  ``like``) -> the flat buffer of this device's shards of them; ``start``: the buffer ->
+  its split all-gather; ``unpack``: the leaf numbers and the finished collective's parts
+  -> the whole leaves."""
+
+  indices: tuple[int, ...]
+  like: tuple[Any, ...]
+  pack: Callable[[list[int]], jax.Array]
+  start: Callable[[jax.Array], Any]
+  unpack: Callable[[list[int], list[jax.Array]], list[jax.Array]]
 
 
 def value_and_summed_grad(
@@ -204,7 +254,8 @@ def value_and_summed_grad(
       ]
       return then(jax.tree.unflatten(grad_tree, grads))
 
-    threaded = _Threaded(split_all_reduce, names, sizes, chosen_bucket or DEFAULT_BUCKET_BYTES)
+    summation = all_reduced(split_all_reduce, names, sizes)
+    threaded = _Threaded(summation, names, sizes, chosen_bucket or DEFAULT_BUCKET_BYTES)
     flat_args = jax.tree.leaves((params, *args))
     value_leaves, result = threaded.run(closed, flat_args, grad_leaves, gradient_then, update)
     return jax.tree.unflatten(jax.tree.structure(value_shapes), value_leaves), result
@@ -223,21 +274,33 @@ def _split_all_reduce(implementation: str):
 class _Threaded:
   """The re-evaluation of one traced ``value_and_grad`` with summation woven in."""
 
-  def __init__(self, split_all_reduce, names, sizes, bucket_bytes: int):
-    self.split_all_reduce, self.names, self.sizes = split_all_reduce, names, sizes
+  def __init__(
+    self, summation: Summation, names, sizes, bucket_bytes: int, gathering: Gathering | None = None
+  ):
+    self.summation, self.names, self.sizes = summation, names, sizes
     self.bucket_bytes = bucket_bytes
+    self.gathering = gathering
     self.in_flight: list[tuple[list[int], Any]] = []  # (leaf indices, SplitCollective)
+    # The gathers not finished yet: (leaf numbers into ``gathering.like``, SplitCollective).
+    self.gathers: list[tuple[list[int], Any]] = []
+    self.scopes: dict[int, tuple[str, int]] = {}  # id(split) -> (its scope, its start order)
     self.last_communicated: list[jax.Array] = []  # results of the last such equation
     self.points: list[int] = []  # the advance points (``_advance_points``)
     self.pacing: dict[int, tuple[int, list[int]]] = {}  # split -> (calls left, its points)
 
   @contextlib.contextmanager
   def _scope(self, split):
-    """The named scopes of a bucket's calls: the summation's, then ``bucket_<k>`` (``k``
-    its start order), by which ``bench.hlo_schedule`` tells one bucket's calls apart."""
-    k = next(i for i, (_, s) in enumerate(self.in_flight) if s is split)
-    with jax.named_scope(GRADIENT_SCOPE), jax.named_scope(f"bucket_{k}"):
+    """The named scopes of a bucket's calls: the summation's (or the weight gather's),
+    then ``bucket_<k>`` (``k`` its start order among them), by which
+    ``bench.hlo_schedule`` tells one bucket's calls apart."""
+    scope, k = self.scopes[id(split)]
+    with jax.named_scope(scope), jax.named_scope(f"bucket_{k}"):
       yield
+
+  def _flying(self) -> list:
+    """Every collective started so far whose result a barrier still ties to (module doc,
+    step 4): the summations (finished ones too), and the gathers not yet finished."""
+    return [split for _, split in self.in_flight] + [split for _, split in self.gathers]
 
   def run(self, closed, flat_args, grad_leaves, gradient_then, update) -> tuple[list, Any]:
     """(the value's leaves, ``gradient_then(the summed gradient leaves)``) of the traced
@@ -246,7 +309,11 @@ class _Threaded:
     constants: dict[int, Any] = {}
     in_keys = [next(counter) for _ in flat_args]
     eqns, outs = inlining.inline(closed.jaxpr, closed.consts, in_keys, counter, constants)
-    env: dict[Any, Any] = {**constants, **dict(zip(in_keys, flat_args))}
+    gathered = self._start_gathers(eqns, in_keys)  # input key -> (leaf number, bucket)
+    env: dict[Any, Any] = {
+      **constants,
+      **{k: v for k, v in zip(in_keys, flat_args) if k not in gathered},
+    }
     split_at = len(outs) - len(grad_leaves)
     value_atoms, grad_atoms = outs[:split_at], outs[split_at:]
     produced_at = {key: position for position, item in enumerate(eqns) for key in item.outs}
@@ -266,23 +333,27 @@ class _Threaded:
     points = set(self.points)
     self._start_ready(buckets, ready_after, -1, gradient)
     for position, item in enumerate(eqns):
+      self._finish_gathers_read(item, gathered, env)
       operands = [_read(env, atom) for atom in item.ins]
       name = item.eqn.primitive.name
-      communicates = bool(self.in_flight) and _communicates(name)
+      flying = bool(self._flying())
+      communicates = flying and _communicates(name)
       if communicates:
         operands = self._pin(operands)
-      elif self.in_flight and name in HEAVY:
+      elif flying and name in HEAVY:
         operands = self._after_last_call(item, operands, producer)
       results = _evaluate(item.eqn, operands)
       if communicates:
         results = self._pin(results)
-      if position in points:
+      if position in points or (self.gathers and name in HEAVY):
         self._pin(results)  # for the next call's sake: the window's consumers read them unpinned
         self._advance_due(position)
       if _communicates(name):
         self.last_communicated = [r for r in results if isinstance(r, jax.Array)]
       env.update(zip(item.outs, results))
       self._start_ready(buckets, ready_after, position, gradient)
+    while self.gathers:  # inputs never read: their gathers still complete
+      self._finish_gather(gathered, in_keys[self.gathering.indices[self.gathers[0][0][0]]], env)
     result = self._result(grad_leaves, gradient_then, update is not None)
     # The value and aux come out of a barrier with the result, so that what the caller
     # computes from them (its metrics' collectives, say) runs after the last call.
@@ -293,7 +364,9 @@ class _Threaded:
   def _result(self, grad_leaves, gradient_then, threaded: bool):
     """``gradient_then`` of the summed leaves: after every call (``_finish_in_turn``), or
     (``threaded``) evaluated while the buckets still in flight issue theirs (``_Tail``)."""
-    widths = [[math.prod(grad_leaves[i].shape) for i in bucket] for bucket, _ in self.in_flight]
+    widths = [
+      [self.summation.width(grad_leaves[i]) for i in bucket] for bucket, _ in self.in_flight
+    ]
 
     def tail(*parts):  # the buckets' sums' parts, in start order -> gradient_then(leaves)
       summed: dict[int, jax.Array] = {}
@@ -316,12 +389,12 @@ class _Threaded:
       if ready != position:
         continue
       with jax.named_scope(GRADIENT_SCOPE):
-        leaves = [jnp.asarray(gradient(i)).reshape(-1) for i in bucket]
-        flat = ensure_varying(packing.pack(leaves), self.names)
+        flat = self.summation.pack([gradient(i) for i in bucket])
         # After every communicating equation so far (they run in program order among
         # themselves; the split calls, in program order among themselves, follow them).
         flat, _ = lax.optimization_barrier((flat, self.last_communicated))
-        split = self.split_all_reduce(flat, self.names, self.sizes)
+        split = self.summation.start(flat)
+      self.scopes[id(split)] = (GRADIENT_SCOPE, len(self.in_flight))
       self.in_flight.append((bucket, split))
       if split.calls_left:
         with self._scope(split):
@@ -330,8 +403,58 @@ class _Threaded:
 
   def _pin(self, values):
     """``values`` (their traced arrays; literals pass) through a barrier with each
-    collective started so far (finished ones too: with their result), in start order."""
-    return _pin_to([split for _, split in self.in_flight], values)
+    collective ``_flying``, in start order."""
+    return _pin_to(self._flying(), values)
+
+  def _start_gathers(self, eqns, in_keys) -> dict[int, tuple[int, list[int]]]:
+    """Starts the split all-gather of every bucket of the gathered inputs, the buckets
+    filled in the order the program first reads the leaves (the forward pass's: first
+    layers first), each started after the one before (a barrier: one order on every
+    device) and its first call issued. Its calls are paced over the heavy equations
+    before its first read (``_advance_due``), and the rest issued at that read
+    (``_finish_gather``). Returns each gathered input's key -> (leaf number, bucket)."""
+    if self.gathering is None:
+      return {}
+    keys = [in_keys[i] for i in self.gathering.indices]
+    first_read = {}
+    for position, item in enumerate(eqns):
+      for atom in item.ins:
+        if isinstance(atom, int):
+          first_read.setdefault(atom, position)
+    never = len(eqns)
+    reads = [first_read.get(k, never) for k in keys]
+    order = sorted(range(len(keys)), key=lambda i: (reads[i], i))
+    buckets = packing.buckets_by_size(self.gathering.like, self.bucket_bytes, order)
+    heavy = [position for position, item in enumerate(eqns) if item.eqn.primitive.name in HEAVY]
+    gathered = {}
+    for bucket in buckets:
+      with jax.named_scope(WEIGHT_GATHER_SCOPE):
+        (flat,) = self._pin([self.gathering.pack(bucket)])
+        split = self.gathering.start(flat)
+      self.scopes[id(split)] = (WEIGHT_GATHER_SCOPE, len(self.scopes))
+      self.gathers.append((bucket, split))
+      with self._scope(split):
+        split.advance()
+      needed = min(reads[i] for i in bucket)
+      self.pacing[id(split)] = (split.calls_left, [h for h in heavy if h < needed])
+      gathered.update((keys[i], (i, bucket)) for i in bucket)
+    return gathered
+
+  def _finish_gathers_read(self, item, gathered, env) -> None:
+    """Finishes the gather of every gathered input that ``item`` reads first."""
+    for atom in item.ins:
+      if isinstance(atom, int) and atom in gathered and atom not in env:
+        self._finish_gather(gathered, atom, env)
+
+  def _finish_gather(self, gathered, key, env) -> None:
+    """Issues the calls left of the gather holding input ``key``; its leaves enter ``env``."""
+    _, bucket = gathered[key]
+    k = next(k for k, (b, _) in enumerate(self.gathers) if b is bucket)
+    _, split = self.gathers.pop(k)
+    with self._scope(split):
+      leaves = self.gathering.unpack(bucket, split.finish_parts())
+    keys = {i: k for k, (i, _) in gathered.items()}
+    env.update((keys[i], leaf) for i, leaf in zip(bucket, leaves))
 
   def _after_last_call(self, item, operands, producer):
     """The heavy equation ``item``'s operands, one of them less a zero that comes out of
@@ -373,10 +496,10 @@ class _Threaded:
     points has issued ``j * C // T`` of them by its ``j``-th point: its calls spread
     evenly over the windows left, one call a window at most (two calls in one window
     would leave the first one's hop nothing to overlap)."""
-    for _, split in self.in_flight:
+    for split in self._flying():
       calls, points = self.pacing[id(split)]
       passed = sum(1 for p in points if p <= position)
-      if split.calls_left and calls - split.calls_left < passed * calls // len(points):
+      if split.calls_left and calls - split.calls_left < passed * calls // max(len(points), 1):
         with self._scope(split):
           split.advance()
 

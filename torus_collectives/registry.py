@@ -93,6 +93,12 @@ class CollectiveBackend:
   # ``pin``, ``finish``, ``calls_left``: ``kernels.split_collectives.SplitCollective``), for
   # threading through the backward pass (``overlap``); None where the backend has none.
   split_all_reduce: Callable[..., Any] | None = None
+  # The same for a tiled reduce-scatter (``[p*m] ->`` the sum of chunk ``d``, ``[m' >= m]``
+  # with padding after it) and all-gather (``[m] -> [p*m']``, the ``[p, m']`` rows flattened,
+  # each padded after its ``m``): weight-update sharding threaded through the step
+  # (``weight_update.threaded``).
+  split_reduce_scatter: Callable[..., Any] | None = None
+  split_all_gather: Callable[..., Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +171,12 @@ def _load_pallas() -> CollectiveBackend:
   from torus_collectives.kernels import pallas_backend as impl
 
   return CollectiveBackend(
-    impl.reduce_scatter, impl.all_gather, impl.all_reduce, split_all_reduce=impl.split_all_reduce
+    impl.reduce_scatter,
+    impl.all_gather,
+    impl.all_reduce,
+    split_all_reduce=impl.split_all_reduce,
+    split_reduce_scatter=impl.split_reduce_scatter,
+    split_all_gather=impl.split_all_gather,
   )
 
 

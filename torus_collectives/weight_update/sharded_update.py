@@ -136,13 +136,17 @@ class ShardedUpdate(NamedTuple):
   """What ``sharded_update`` returns. ``init`` and ``update`` make it an optax gradient
   transformation; ``apply_gradients`` is the same step returning the new parameters (or,
   with ``gather=False``, this device's shards of them); ``shard_params`` and
-  ``gather_params`` convert between whole parameters and shards (deferred gather)."""
+  ``gather_params`` convert between whole parameters and shards (deferred gather);
+  ``value_and_apply`` is a whole step on the shards, its gather threaded through the
+  forward pass and its reduce-scatter through the backward pass
+  (``weight_update.threaded``)."""
 
   init: Callable[[Any], Any]
   update: Callable[..., tuple[Any, Any]]
   apply_gradients: Callable[..., tuple[Any, Any]]
   shard_params: Callable[[Any], Any]
   gather_params: Callable[..., Any]
+  value_and_apply: Callable[..., Callable]
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -221,6 +225,13 @@ def sharded_update(
     weights first), so the gather can run while the forward pass computes. A gather moves
     values without arithmetic: the steps are bitwise those of ``apply_gradients``.
     ``shard_params(params)`` makes the first shards.
+
+    Threaded step: ``value_and_apply(fun, like, has_aux=False)(param_shards, state,
+    *args)`` is the gather, ``jax.value_and_grad(fun)`` on per-replica copies of the
+    gathered parameters and ``apply_gradients(..., gather=False)`` in one, returning
+    ``(value, (new_param_shards, new_state))``; with split collectives ("pallas") each
+    bucket's gather runs while the forward pass computes and each bucket's reduce-scatter
+    while the backward pass does (``weight_update.threaded``).
   """
   if bucket_bytes <= 0:
     raise ValueError(f"{bucket_bytes=} must be positive")
@@ -232,12 +243,15 @@ def sharded_update(
   if error_feedback and transport_dtype is None:
     raise ValueError("error_feedback=True needs a block-scaled transport_dtype such as jnp.int8")
   sharding = _Sharding(tx, axis_name, bucket_bytes, implementation, transport_dtype, error_feedback)
+  from torus_collectives.weight_update import threaded  # it builds on this module
+
   return ShardedUpdate(
     sharding.init,
     sharding.update,
     sharding.apply_gradients,
     sharding.shard_params,
     sharding.gather_params,
+    functools.partial(threaded.value_and_apply, sharding),
   )
 
 
@@ -306,6 +320,16 @@ class _Sharding:
     )
     if residual is not None:
       grad_shards, residual = grad_shards
+    update_shards, new_state = self.update_on_shards(step, grad_shards, state, params, grads)
+    if residual is not None:
+      new_state = ErrorFeedbackState(new_state, step.treedef.unflatten([r[None] for r in residual]))
+    return step, update_shards, new_state
+
+  def update_on_shards(self, step: _Step, grad_shards, state, params, grads):
+    """The inner update on this device's shards of the mean gradient (flat ``[m]`` per
+    leaf): (the update's shards, the new state as stored). ``params`` and ``grads`` give
+    only the whole leaves' shapes and dtypes; the parameters' values are
+    ``step.param_shards``."""
     whole_state = jax.eval_shape(self.tx.init, params)
     sharded = _sharded_state(self.tx, step, params, whole_state)
     state_leaves, state_def = jax.tree.flatten(state)
@@ -322,10 +346,7 @@ class _Sharding:
       _stored(step, value, shape, is_sharded)
       for value, shape, is_sharded in zip(new_state, state_shapes, sharded)
     ]
-    new_state = jax.tree.unflatten(state_def, [x[None] for x in stored])
-    if residual is not None:
-      new_state = ErrorFeedbackState(new_state, step.treedef.unflatten([r[None] for r in residual]))
-    return step, update_shards, new_state
+    return update_shards, jax.tree.unflatten(state_def, [x[None] for x in stored])
 
   def gather(self, step: _Step, shards: list[jax.Array]):
     return _all_gather_leaves(step, self.implementation, step.treedef.unflatten(shards))
@@ -356,16 +377,21 @@ class _Sharding:
     shapes, treedef = jax.tree.flatten(like)
     shards = treedef.flatten_up_to(param_shards)
     p = math.prod(torus)
-    for shard, shape in zip(shards, shapes):
-      if shard.shape != (ceil_div(math.prod(shape.shape), p),):
-        raise ValueError(
-          f"a parameter shard of shape {shard.shape} does not belong to a leaf of shape "
-          f"{shape.shape} sharded over {p} devices: pass the shards that shard_params or "
-          "apply_gradients(..., gather=False) returned, and the parameters' shapes as like"
-        )
+    check_shards(shards, shapes, p)
     layout = _Layout.of(shapes, p, self.bucket_bytes, order)
     step = _Step(names, p, layout, treedef, (), ())
     return _all_gather_leaves(step, self.implementation, treedef.unflatten(shards))
+
+
+def check_shards(shards, shapes, p: int) -> None:
+  """Each of ``shards`` is the flat ``[m]`` shard of the leaf of ``shapes`` beside it."""
+  for shard, shape in zip(shards, shapes):
+    if jnp.shape(shard) != (ceil_div(math.prod(shape.shape), p),):
+      raise ValueError(
+        f"a parameter shard of shape {jnp.shape(shard)} does not belong to a leaf of shape "
+        f"{shape.shape} sharded over {p} devices: pass the shards that shard_params or "
+        "apply_gradients(..., gather=False) returned, and the parameters' shapes as like"
+      )
 
 
 def _stored(step: _Step, value, shape, is_sharded: bool) -> jax.Array:
@@ -417,12 +443,14 @@ def _mean_shards(
   if with_residual:
     summed, residual = summed
     residual = [packing.from_rows(r, shape) for r, shape in zip(residual, layout.shapes)]
-  # The mean, rounded as all_reduce_gradients rounds it.
-  means = [
-    (piece.astype(jnp.float32) * (1.0 / p)).astype(leaf.dtype)
-    for piece, leaf in zip(summed, grad_leaves)
-  ]
+  means = [mean_of_sum(piece, p, leaf.dtype) for piece, leaf in zip(summed, grad_leaves)]
   return means if residual is None else (means, residual)
+
+
+def mean_of_sum(summed: jax.Array, p: int, dtype) -> jax.Array:
+  """The mean of ``p`` devices' values from their sum, rounded as
+  ``all_reduce_gradients`` rounds it: scaled in float32, then cast to ``dtype``."""
+  return (summed.astype(jnp.float32) * (1.0 / p)).astype(dtype)
 
 
 def _reduce_scatter_with_residual(step: _Step, implementation, transport_dtype, flat):

@@ -1,0 +1,194 @@
+"""Weight-update sharding threaded through the step (``ShardedUpdate.value_and_apply``).
+
+* In TPU interpret mode through the split-call extension (``async_interpret``), race
+  detector on, both DMA execution modes: ``value_and_apply`` with "pallas" (parameter
+  gathers threaded through the forward pass, gradient reduce-scatters through the
+  backward pass, SGD with momentum on the shards) of a three-layer network with
+  small-integer weights and inputs equals the blocking parts on lax in a program of its
+  own (``gather_params``, ``value_and_grad`` of per-replica parameters,
+  ``apply_gradients(gather=False)``), exactly: every value is an integer or a sum of
+  eighths of one, over several steps.
+* In the traced program, every gather but the first is issued in part before the first
+  read of its leaves, with a matmul of the forward pass between its first and last call;
+  every reduce-scatter starts after its last leaf's matmul and all but the last have a
+  backward matmul inside their windows.
+* Without split collectives ("xla"), and with block-scaled transport, it is the blocking
+  parts; mis-shaped shards are refused before any device work.
+"""
+
+import re
+
+import harness
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from async_interpret import async_interpret_mode
+from jax.sharding import PartitionSpec as P
+
+import torus_collectives as tc
+
+pytestmark = pytest.mark.timeout(300, method="thread")
+
+AXES = ("x", "y")
+BUCKET_BYTES = 2048  # a few buckets for these layers
+SHAPES = {"w1": (16, 32), "w2": (32, 32), "w3": (32, 8), "b": (8,)}
+
+
+def _params(seed=0):
+  rng = np.random.default_rng(seed)
+  return {k: rng.integers(-2, 3, shape).astype(np.float32) for k, shape in SHAPES.items()}
+
+
+def _loss(params, x):
+  h = x @ params["w1"]
+  h = h @ params["w2"]
+  return jnp.sum(h @ params["w3"] + params["b"])
+
+
+LIKE = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
+# Exact on these integers: a step of 1/4 of a momentum that sums eighths.
+TX = optax.sgd(0.25, momentum=0.5)
+
+
+def _steps(implementation, steps=2, reference=False, transport_dtype=None):
+  """``steps`` training steps from ``_params()``; per step, the loss (each device's), the
+  new shards and the new state (each device's shard, stacked). ``reference``: the
+  blocking parts (``gather_params``, ``value_and_grad`` of per-replica parameters,
+  ``apply_gradients(gather=False)``), which the threaded step must equal."""
+  tx = tc.sharded_update(
+    TX,
+    AXES,
+    bucket_bytes=BUCKET_BYTES,
+    implementation=implementation,
+    transport_dtype=transport_dtype,
+  )
+
+  def body(x, params):
+    shards, state = tx.shard_params(params), tx.init(params)
+    out = []
+    for _ in range(steps):
+      if reference:
+        whole = tx.gather_params(shards, LIKE)
+        value, grads = jax.value_and_grad(_loss)(whole, x)
+        shards, state = tx.apply_gradients(grads, state, whole, gather=False)
+      else:
+        value, (shards, state) = tx.value_and_apply(_loss, LIKE)(shards, state, x)
+      out.append((value[None], shards, state))
+    return out
+
+  mesh = harness.mesh((2, 4), AXES)
+  return jax.jit(
+    jax.shard_map(body, mesh=mesh, in_specs=(P(AXES), P()), out_specs=P(AXES), check_vma=False)
+  )
+
+
+def _inputs():
+  x = np.random.default_rng(1).integers(-2, 3, (8 * 4, 16)).astype(np.float32)
+  return x, _params()
+
+
+def _assert_equal(got, want):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("mode", ["eager", "on_wait"])
+def test_threaded_sharded_step_matches_the_blocking_parts_on_lax(mode):
+  """The first step exactly (every value an integer or a sum of eighths of one); the
+  second, whose products of stepped weights need more than float32's 24 bits, to the
+  rounding of a different summation order (the ring's against lax's): rtol 1e-6."""
+  with async_interpret_mode(mode, deadlock_timeout_s=60.0):
+    first, second = jax.block_until_ready(_steps("pallas")(*_inputs()))
+  want_first, want_second = _steps("xla", reference=True)(*_inputs())
+  _assert_equal(first, want_first)
+  for g, w in zip(jax.tree.leaves(second), jax.tree.leaves(want_second), strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-6)
+  loss, shards, _ = first
+  assert np.all(loss == np.round(loss))
+  assert all(np.all(s * 64 == np.round(s * 64)) for s in jax.tree.leaves(shards))
+  assert not np.allclose(second[0], loss)  # the second step trained on the first's weights
+
+
+def _program_order(jaxpr, out):
+  """``(what, scope, bucket)`` of the pallas calls (``scope``: "weight_gather" or
+  "gradient_summation", ``bucket`` the index in its ``bucket_<k>`` scope) and of the
+  ``dot_general`` equations (``scope``, ``bucket`` None), in program order."""
+  for eqn in jaxpr.eqns:
+    stack = str(eqn.source_info.name_stack)
+    if eqn.primitive.name == "pallas_call":
+      scope = "weight_gather" if "weight_gather" in stack else "gradient_summation"
+      out.append(("call", scope, int(re.search(r"bucket_([0-9]+)", stack).group(1))))
+      continue
+    if eqn.primitive.name == "dot_general":
+      out.append(("dot", None, None))
+    for param in eqn.params.values():
+      sub = getattr(param, "jaxpr", None)
+      if sub is not None:
+        _program_order(getattr(sub, "jaxpr", sub), out)
+  return out
+
+
+@pytest.mark.interpret
+def test_gathers_overlap_the_forward_pass_and_reduce_scatters_the_backward_pass():
+  x, params = _inputs()
+  tx = tc.sharded_update(TX, AXES, bucket_bytes=BUCKET_BYTES, implementation="pallas")
+
+  def body(x, params):
+    shards, state = tx.shard_params(params), tx.init(params)
+    return tx.value_and_apply(_loss, LIKE)(shards, state, x)[1]
+
+  mesh = harness.mesh((2, 4), AXES)
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(P(AXES), P()), out_specs=P(AXES), check_vma=False)
+  with async_interpret_mode("eager", deadlock_timeout_s=60.0):
+    jaxpr = jax.make_jaxpr(fn)(x, params).jaxpr
+  order = _program_order(jaxpr, [])
+  dots = [i for i, (what, _, _) in enumerate(order) if what == "dot"]
+  forward, backward = dots[:3], dots[3:]
+
+  def calls(scope):
+    found = {}
+    for i, (what, s, b) in enumerate(order):
+      if what == "call" and s == scope:
+        found.setdefault(b, []).append(i)
+    return [found[b] for b in sorted(found)]
+
+  gathers, scatters = calls("weight_gather"), calls("gradient_summation")
+  # Buckets of the gather in first-read order: w1, w2, w3 and b (2 KiB each at most).
+  assert len(gathers) == 3 and len(scatters) == 3, order
+  # 2x4, one stream: phases of 2 and 4 devices, 2 + 4 calls per bucket.
+  assert all(len(c) == 6 for c in gathers + scatters)
+  # Every gather starts before the first matmul; each after the first is done after a
+  # forward matmul has run inside its window, and before the matmul that reads it.
+  assert all(c[0] < forward[0] for c in gathers)
+  for c, reader in zip(gathers[1:], forward[1:]):
+    assert any(c[0] < d < c[-1] for d in forward), (c, forward)
+    assert c[-1] < reader
+  # Every reduce-scatter but the last (the first layer's) has a backward matmul in its window.
+  for c in scatters[:-1]:
+    assert any(c[0] < d < c[-1] for d in backward), (c, backward)
+
+
+def test_without_split_collectives_it_is_the_blocking_parts():
+  _assert_equal(_steps("xla")(*_inputs()), _steps("xla", reference=True)(*_inputs()))
+
+
+def test_block_scaled_transport_runs_the_blocking_parts():
+  got = _steps("shard_map", steps=1, transport_dtype=jnp.int8)(*_inputs())
+  want = _steps("shard_map", steps=1, reference=True, transport_dtype=jnp.int8)(*_inputs())
+  _assert_equal(got, want)
+
+
+def test_refuses_shards_that_do_not_belong_to_like():
+  tx = tc.sharded_update(TX, AXES, implementation="xla")
+  mesh = harness.mesh((2, 4), AXES)
+
+  def body(x, params):
+    shards = jax.tree.map(lambda s: s[:-1], tx.shard_params(params))
+    return tx.value_and_apply(_loss, LIKE)(shards, tx.init(params), x)[0][None]
+
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(P(AXES), P()), out_specs=P(AXES), check_vma=False)
+  with pytest.raises(ValueError, match="does not belong to a leaf"):
+    fn(*_inputs())
