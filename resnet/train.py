@@ -97,11 +97,16 @@ class ParamsLayout:
   all-gathers them at its start, one bucket at a time in the order the forward pass first
   reads them (``tc.packing.first_use_order``), and leaves the new weights as shards, so
   the gather can overlap the next forward pass. ``to_running``/``to_stored`` convert a
-  state between the two (identities when nothing is deferred).
+  state between the two (identities when nothing is deferred). With
+  ``config.grad_overlap`` too, ``value_and_apply(loss_fn)`` is the whole step on the
+  shards (``tx.value_and_apply``: the gathers threaded through the forward pass, the
+  reduce-scatters through the backward pass), returning the loss and its aux, the new
+  shards, the optimizer state and the mean gradient's norm.
   """
 
   spec: P = P()
   gather: Callable | None = None  # per-device shards -> whole parameters, in shard_map
+  value_and_apply: Callable | None = None  # loss_fn -> the threaded step on the shards
   to_running: Callable[[TrainState], TrainState] = lambda state: state
   to_stored: Callable[[TrainState], TrainState] = lambda state: state
 
@@ -125,6 +130,9 @@ def params_layout(
   )
   order = tc.packing.first_use_order(forward, like, abstract_state.batch_stats, image)
   gather = functools.partial(tx.gather_params, like=like, order=order)
+  value_and_apply = None
+  if config.grad_overlap:
+    value_and_apply = functools.partial(tx.value_and_apply, like=like, has_aux=True, grad_norm=True)
 
   def converter(body, in_spec, out_spec):
     convert = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_spec, out_specs=out_spec))
@@ -133,6 +141,7 @@ def params_layout(
   return ParamsLayout(
     spec=P(axes),
     gather=gather,
+    value_and_apply=value_and_apply,
     to_running=converter(tx.shard_params, P(), P(axes)),
     to_stored=converter(gather, P(axes), P()),
   )
@@ -174,9 +183,9 @@ def _train_step(
   average_gradients,
   gather_params,
   value_and_averaged_grad=None,
+  value_and_apply=None,
 ):
   """Per-device body of one training step (inside shard_map)."""
-  params = state.params if gather_params is None else gather_params(state.params)
 
   def loss_fn(params):
     logits, updates = model.apply(
@@ -188,6 +197,16 @@ def _train_step(
     loss = _cross_entropy(logits, batch["label"], num_classes, label_smoothing).mean()
     return loss, (logits, updates["batch_stats"])
 
+  if value_and_apply is not None:
+    # Weight-update sharding threaded through the step: the parameters' gathers run
+    # while the forward pass computes, the gradients' reduce-scatters while the backward
+    # pass does, and the optimizer on the shards while the last ones are in flight.
+    (loss, (logits, batch_stats)), (params, opt_state, grad_norm) = value_and_apply(loss_fn)(
+      state.params, state.opt_state
+    )
+    stepped = (params, batch_stats, opt_state, loss, logits, grad_norm)
+    return _new_state_and_metrics(state, batch, stepped, axes, learning_rate_fn)
+  params = state.params if gather_params is None else gather_params(state.params)
   # Differentiate with respect to a per-replica (varying) copy of the replicated parameters:
   # otherwise, under shard_map's varying-axes typing, the transpose of their implicit
   # broadcast already sums the gradient over the mesh, and averaging it again would train
@@ -221,6 +240,13 @@ def _train_step(
       opt_state = opt_state._replace(residual=jax.tree.map(lambda r: r[None], residual))
     else:
       params, opt_state, grad_norm = apply_mean_gradient(average_gradients(grads, axes))
+  stepped = (params, batch_stats, opt_state, loss, logits, grad_norm)
+  return _new_state_and_metrics(state, batch, stepped, axes, learning_rate_fn)
+
+
+def _new_state_and_metrics(state: TrainState, batch, stepped, axes, learning_rate_fn):
+  """The train step's result from what this device stepped: (new state, metrics)."""
+  params, batch_stats, opt_state, loss, logits, grad_norm = stepped
   new_state = TrainState(
     step=state.step + 1,
     params=params,
@@ -281,6 +307,7 @@ def make_train_step(
     average_gradients=average_gradients,
     gather_params=layout.gather,
     value_and_averaged_grad=value_and_averaged_grad,
+    value_and_apply=layout.value_and_apply,
   )
   spec = state_specs(P() if opt_state_spec is None else opt_state_spec, layout.spec)
   return jax.shard_map(body, mesh=mesh, in_specs=(spec, P(mesh.axis_names)), out_specs=(spec, P()))
@@ -654,7 +681,7 @@ def gradient_threading(config: ml_collections.ConfigDict) -> Callable | None:
   size), which starts each bucket's summation as soon as its gradients exist and runs
   ``update`` (the optimizer's step) on each bucket's leaves as soon as they are summed;
   None without it."""
-  if not config.grad_overlap:
+  if not config.grad_overlap or config.weight_update_sharding:  # that: ParamsLayout's
     return None
 
   def value_and_averaged_grad(loss_fn, axes, update=None):

@@ -25,7 +25,9 @@ from resnet.configs import default
 BUCKET_BYTES = 320 * 1024  # two buckets of the tiny ResNet's 0.5 MB gradient
 
 
-def _two_steps(implementation: str, overlap: bool):
+def _two_steps(implementation: str, overlap: bool, sharded: bool = False):
+  """Two train steps; ``sharded``: with weight-update sharding and the deferred gather
+  (the state's parameters returned whole, as stored)."""
   mesh = tc.make_torus_mesh((2, 4))
   axes = mesh.axis_names
   model = models.create_model("resnet_tiny", num_classes=10, dtype=jnp.float32, axis_name=axes)
@@ -34,6 +36,7 @@ def _two_steps(implementation: str, overlap: bool):
   config.grad_implementation = implementation
   config.grad_bucket_bytes = BUCKET_BYTES
   config.grad_overlap = overlap
+  config.weight_update_sharding = config.defer_weight_gather = sharded
   learning_rate_fn = optax.constant_schedule(0.1)
   tx, spec = optim.create_optimizer(config, learning_rate_fn, axes)
   rng = np.random.default_rng(0)
@@ -53,6 +56,8 @@ def _two_steps(implementation: str, overlap: bool):
       variables["params"]
     ),
   )
+  layout = train.params_layout(config, model, tx, mesh, jax.eval_shape(lambda: state))
+  state = layout.to_running(state)
   step = jax.jit(
     train.make_train_step(
       model,
@@ -63,6 +68,7 @@ def _two_steps(implementation: str, overlap: bool):
       label_smoothing=0.1,
       average_gradients=train.gradient_averaging(config),
       opt_state_spec=spec,
+      layout=layout,
       value_and_averaged_grad=train.gradient_threading(config),
     )
   )
@@ -70,7 +76,7 @@ def _two_steps(implementation: str, overlap: bool):
   for _ in range(2):
     state, m = step(state, batch)
     metrics.append(m)
-  return jax.device_get((state, metrics))
+  return jax.device_get((layout.to_stored(state), metrics))
 
 
 def _compare(ours, reference, **tolerance):
@@ -91,6 +97,31 @@ def test_threaded_pallas_step_matches_the_plain_step():
   _compare(threaded, plain, rtol=1e-5, atol=1e-6)
 
 
+def _without_grad_norm(steps):
+  state, metrics = steps
+  return state, [{k: v for k, v in m.items() if k != "grad_norm"} for m in metrics]
+
+
+@pytest.mark.interpret
+@pytest.mark.timeout(600, method="thread")
+def test_threaded_sharded_pallas_step_matches_the_plain_sharded_step():
+  """Weight-update sharding threaded through the step (``tx.value_and_apply``) against
+  gather, ``value_and_grad`` and ``apply_gradients`` on lax. Its ``grad_norm`` is the
+  mean gradient's norm, the plain sharded step's the replicas' RMS norm, its upper bound."""
+  with async_interpret_mode("on_wait", deadlock_timeout_s=120.0):
+    threaded = _two_steps("pallas", overlap=True, sharded=True)
+  plain = _two_steps("xla", overlap=False, sharded=True)
+  _compare(_without_grad_norm(threaded), _without_grad_norm(plain), rtol=1e-5, atol=1e-6)
+  for ours, rms in zip(threaded[1], plain[1]):
+    assert 0 < ours["grad_norm"] <= rms["grad_norm"]
+
+
+@pytest.mark.slow
+def test_threaded_sharded_step_on_xla_is_the_plain_sharded_step_bitwise():
+  ours, plain = _two_steps("xla", True, sharded=True), _two_steps("xla", False, sharded=True)
+  _compare(_without_grad_norm(ours), _without_grad_norm(plain))
+
+
 @pytest.mark.slow
 def test_threading_on_xla_is_the_plain_step_bitwise():
   _compare(_two_steps("xla", overlap=True), _two_steps("xla", overlap=False))
@@ -99,7 +130,7 @@ def test_threading_on_xla_is_the_plain_step_bitwise():
 @pytest.mark.parametrize(
   "changes, message",
   [
-    ({"weight_update_sharding": True}, "grad_overlap=True needs config.weight_update_sharding"),
+    ({"weight_update_sharding": True}, "needs config.defer_weight_gather=True"),
     ({"grad_transport_dtype": "bfloat16"}, "sums the gradients in their own dtype"),
   ],
 )

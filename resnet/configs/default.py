@@ -83,7 +83,10 @@ def get_config() -> ml_collections.ConfigDict:
   # grad_implementation its split kernels run between the later backward convolutions
   # (verified in TPU interpret mode and in compiled programs, not measured on a TPU); any
   # other implementation runs value_and_grad, then all_reduce_gradients, as without it.
-  # Needs weight_update_sharding=False and grad_transport_dtype=''. Off by default: the
+  # With weight_update_sharding it needs defer_weight_gather, and then threads the whole
+  # sharded step instead (tx.value_and_apply): the weight gathers through the forward
+  # pass, the reduce-scatters through the backward pass. Needs grad_transport_dtype=''.
+  # Off by default: the
   # barriers that pin the backward convolutions into the windows cost fusion, and by the
   # compiler's estimate (bench.overlap_report --grad-overlap on) the step is slower.
   c.grad_overlap = False

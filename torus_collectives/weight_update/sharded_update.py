@@ -296,10 +296,10 @@ class _Sharding:
     return ErrorFeedbackState(state, residual)
 
   def sharded_step(self, grads, state, params):
-    """Reduce-scatter and the inner update on this device's shards: (step, the update's
-    shards, the new state). The reduce-scatter buckets follow the order in which the
-    traced program computed the gradients (the backward pass's), so each can start while
-    the rest of the backward pass runs."""
+    """Reduce-scatter and the inner update on this device's shards: (step, the mean
+    gradient's shards, the update's shards, the new state). The reduce-scatter buckets
+    follow the order in which the traced program computed the gradients (the backward
+    pass's), so each can start while the rest of the backward pass runs."""
     if params is None:
       raise ValueError("sharded_update needs params: call update(grads, state, params)")
     step = self.setup(params)
@@ -323,7 +323,7 @@ class _Sharding:
     update_shards, new_state = self.update_on_shards(step, grad_shards, state, params, grads)
     if residual is not None:
       new_state = ErrorFeedbackState(new_state, step.treedef.unflatten([r[None] for r in residual]))
-    return step, update_shards, new_state
+    return step, grad_shards, update_shards, new_state
 
   def update_on_shards(self, step: _Step, grad_shards, state, params, grads):
     """The inner update on this device's shards of the mean gradient (flat ``[m]`` per
@@ -352,15 +352,20 @@ class _Sharding:
     return _all_gather_leaves(step, self.implementation, step.treedef.unflatten(shards))
 
   def update(self, grads, state, params=None):
-    step, update_shards, state = self.sharded_step(grads, state, params)
+    step, _, update_shards, state = self.sharded_step(grads, state, params)
     return self.gather(step, update_shards), state
 
   def apply_gradients(self, grads, state, params, *, gather=True):
-    step, update_shards, state = self.sharded_step(grads, state, params)
-    new_shards = optax.apply_updates(list(step.param_shards), update_shards)
+    step, new_shards, state, _ = self.stepped_shards(grads, state, params)
     if not gather:  # deferred: the next step's gather_params all-gathers them
       return step.treedef.unflatten(list(new_shards)), state
     return self.gather(step, new_shards), state
+
+  def stepped_shards(self, grads, state, params):
+    """(step, this device's shards of the new parameters, the new state, its shards of
+    the mean gradient)."""
+    step, grad_shards, update_shards, state = self.sharded_step(grads, state, params)
+    return step, optax.apply_updates(list(step.param_shards), update_shards), state, grad_shards
 
   def shard_params(self, params):
     """This device's flat ``[m]`` shard of every leaf of the replicated ``params``."""
@@ -445,6 +450,13 @@ def _mean_shards(
     residual = [packing.from_rows(r, shape) for r, shape in zip(residual, layout.shapes)]
   means = [mean_of_sum(piece, p, leaf.dtype) for piece, leaf in zip(summed, grad_leaves)]
   return means if residual is None else (means, residual)
+
+
+def norm_of_shards(shards, axes_) -> jax.Array:
+  """The global L2 norm of leaves held as shards over ``axes_`` (zero padding adds
+  nothing): the local sum of squares in float32, completed by one scalar ``psum``."""
+  local = sum(jnp.sum(jnp.square(s.astype(jnp.float32))) for s in shards)
+  return jnp.sqrt(lax.psum(local, axes_))
 
 
 def mean_of_sum(summed: jax.Array, p: int, dtype) -> jax.Array:

@@ -67,11 +67,19 @@ optax = su.optax
 
 
 def value_and_apply(
-  sharding: su._Sharding, fun: Callable, like: Any, *, has_aux: bool = False
+  sharding: su._Sharding,
+  fun: Callable,
+  like: Any,
+  *,
+  has_aux: bool = False,
+  grad_norm: bool = False,
 ) -> Callable:
   """The step on the shards (module doc): ``run(param_shards, state, *args) -> (value,
   (new_param_shards, new_state))``, called inside the ``shard_map`` over the sharding's
-  axes. ``like``: the parameters' shapes and dtypes (arrays or ``jax.ShapeDtypeStruct``)."""
+  axes. ``like``: the parameters' shapes and dtypes (arrays or ``jax.ShapeDtypeStruct``).
+  ``grad_norm``: also return the mean gradient's global L2 norm, ``(value,
+  (new_param_shards, new_state, norm))``, from its shards (one scalar ``psum``; the
+  mean gradient itself never exists whole)."""
   grad_fn = jax.value_and_grad(fun, has_aux=has_aux)
 
   def run(param_shards, state, *args):
@@ -83,7 +91,8 @@ def value_and_apply(
     su.check_shards(shards, like_leaves, p)
     backend = _split_backend(sharding, like_leaves, names, p)
     if backend is None:
-      return _blocking(sharding, grad_fn, fun, like, param_shards, state, args, names)
+      value, result = _blocking(sharding, grad_fn, fun, like, param_shards, state, args, names)
+      return value, result if grad_norm else result[:2]
     with_paths = jax.tree_util.tree_flatten_with_path(like)[0]
     step = su._Step(
       names,
@@ -108,8 +117,10 @@ def value_and_apply(
       update_shards, new_state = sharding.update_on_shards(
         step, means, state, like, jax.tree.unflatten(grad_tree, grad_leaves)
       )
-      new_shards = optax.apply_updates(list(step.param_shards), update_shards)
-      return treedef.unflatten(new_shards), new_state
+      new_shards = treedef.unflatten(optax.apply_updates(list(step.param_shards), update_shards))
+      if grad_norm:
+        return new_shards, new_state, su.norm_of_shards(means, names)
+      return new_shards, new_state
 
     count = len(like_leaves)
     gathering = Gathering(
@@ -149,12 +160,15 @@ def _split_backend(sharding: su._Sharding, like_leaves, names, p: int):
 
 
 def _blocking(sharding, grad_fn, fun, like, param_shards, state, args, names):
-  """The step as its three blocking parts: gather, gradient, sharded update."""
+  """The step as its three blocking parts (gather, gradient, sharded update): (value,
+  (new shards, new state, the mean gradient's norm))."""
   order = packing.first_use_order(fun, like, *args)
   params = sharding.gather_params(param_shards, like, order)
   per_replica = jax.tree.map(lambda x: ensure_varying(x, names), params)
   value, grads = grad_fn(per_replica, *args)
-  return value, sharding.apply_gradients(grads, state, params, gather=False)
+  step, new_shards, state, grad_shards = sharding.stepped_shards(grads, state, params)
+  norm = su.norm_of_shards(grad_shards, names)
+  return value, (step.treedef.unflatten(list(new_shards)), state, norm)
 
 
 def _unpack_gathered(bucket, parts, like_leaves, p: int) -> list[jax.Array]:
