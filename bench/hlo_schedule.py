@@ -38,6 +38,8 @@ import math
 import re
 from collections.abc import Callable
 
+from torus_collectives.gradients import WEIGHT_GATHER_SCOPE
+
 # Peak bf16 FLOP/s of one jax device, from the Cloud TPU documentation's per-chip peaks:
 # v5e 197 T, v5p 459 T, v6e 918 T, one device per chip; v4 275 T per chip, which shows
 # two devices (TensorCores) when compiled ahead of time for a topology, so half each.
@@ -385,13 +387,16 @@ class _Chain:
 
 
 _PASSING = frozenset({"get-tuple-element", "bitcast"})
-_BUCKET = re.compile(r"/(bucket_[0-9]+(?:/stream_[0-9]+)?)/")
+# A threaded bucket's scope, with the scope it lies in (the gradient summation's or the
+# weight gather's: both number their buckets from 0).
+_BUCKET = re.compile(r"/([^/]+/bucket_[0-9]+(?:/stream_[0-9]+)?)/")
 
 
 def split_chains(ops: list[Op]) -> list[list[int]]:
   """Each split collective's calls, as indices into ``ops`` in schedule order. Within a
-  named ``bucket_<k>`` scope (the threaded gradient summation's; ``bucket_<k>/stream_<s>``
-  for each stream of a split torus all-reduce), the calls of that scope:
+  named ``bucket_<k>`` scope (the threaded gradient summation's or weight gather's, told
+  apart by the scope around it; ``bucket_<k>/stream_<s>`` for each stream of a split
+  torus all-reduce), the calls of that scope:
   the calls of one chain depend on each other, so the schedule keeps their order, and a
   chain spans all its phases. Otherwise each call joins the chain of the call that
   produced its buffer operand, and a start begins a chain (one per phase)."""
@@ -433,6 +438,9 @@ def split_schedule_problems(ops: list[Op]) -> list[str]:
 
   * a chain started before the last backward convolution that has none between its
     first call and its last (the one started after it has nothing left to overlap);
+  * a weight gather's chain (threaded through the forward pass) that ends after the first
+    convolution but has no convolution between its first call and its last (the first
+    bucket, read by the first layer, has nothing before it to overlap);
   * a step or done whose buffer operand is not the previous call's output in place
     (through get-tuple-element and bitcast only: anything else would copy a buffer
     that DMAs are writing);
@@ -440,12 +448,12 @@ def split_schedule_problems(ops: list[Op]) -> list[str]:
     a call of another phase."""
   by_name = {op.name: op for op in ops}
   backward = [i for i, op in enumerate(ops) if is_backward_convolution(op)]
+  convolutions = [i for i, op in enumerate(ops) if is_convolution(op)]
   problems = []
   for calls in split_chains(ops):
-    first, last = ops[calls[0]].name, calls[-1]
-    if backward and calls[0] < backward[-1]:
-      if not any(calls[0] < i < last for i in backward):
-        problems.append(f"{first}: no backward convolution between its first and last call")
+    uncovered = _uncovered(ops, calls, convolutions, backward)
+    if uncovered:
+      problems.append(f"{ops[calls[0]].name}: no {uncovered} between its first and last call")
     for before, index in zip(calls, calls[1:]):
       kind, call, axis = split_call(ops[index])
       _, call_before, axis_before = split_call(ops[before])
@@ -462,6 +470,19 @@ def split_schedule_problems(ops: list[Op]) -> list[str]:
       if operand != ops[before].name:
         problems.append(f"{ops[index].name} takes its buffer from {operand}, not in place")
   return problems
+
+
+def _uncovered(ops, calls, convolutions, backward) -> str | None:
+  """What a chain should overlap and does not (``split_schedule_problems``' first two
+  rules): "convolution" for a weight gather's, "backward convolution" for another's."""
+  first, last = calls[0], calls[-1]
+  if f"/{WEIGHT_GATHER_SCOPE}/" in ops[first].op_name:
+    wanted, needed = convolutions, bool(convolutions) and convolutions[0] < last
+    name = "convolution"
+  else:
+    wanted, needed = backward, bool(backward) and first < backward[-1]
+    name = "backward convolution"
+  return name if needed and not any(first < i < last for i in wanted) else None
 
 
 @dataclasses.dataclass

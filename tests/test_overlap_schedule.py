@@ -296,6 +296,27 @@ def test_split_schedule_problems_name_a_copied_buffer_and_an_empty_window():
   ]
 
 
+def test_a_weight_gathers_chain_must_overlap_a_forward_convolution():
+  """A chain in the weight gather's scope (threaded through the forward pass) is checked
+  against every convolution, not the backward pass's; its bucket_0 is not the gradient
+  summation's bucket_0."""
+  text = _split_program().replace("/gradient_summation/", "/weight_gather/")
+  ops = hlo_schedule.entry_ops(text.replace("transpose(jvp(Net))", "jvp(Net)"))
+  problems = hlo_schedule.split_schedule_problems
+  assert problems(ops) == []  # forward convolutions inside its window
+  convolutions = [op for op in ops if hlo_schedule.is_convolution(op)]
+  rest = [op for op in ops if not hlo_schedule.is_convolution(op)]
+  assert problems(rest + convolutions) == []  # the first layer's: nothing before its read
+  assert problems(convolutions + rest) == ["start: no convolution between its first and last call"]
+  both = _program(
+    "  %p = f32[1024]{0} parameter(0)",
+    "  %c = s32[1]{0} parameter(1)",
+    _split_call("start", "start", "%c, %p"),
+    _split_call("start.1", "start", "%c, %p").replace("/gradient_summation/", "/weight_gather/"),
+  )
+  assert len(hlo_schedule.split_chains(hlo_schedule.entry_ops(both))) == 2
+
+
 def test_the_reports_update_after_applies_the_update_to_the_summed_gradient():
   """``--threaded-update off``: the threaded summation called without ``update``, and the
   update applied to what it returns."""

@@ -162,6 +162,28 @@ def test_each_bucket_overlaps_a_backward_matmul():
 
 
 @pytest.mark.interpret
+def test_the_last_bucket_is_cut_at_the_last_matmul():
+  """One bucket would hold every leaf; the last matmul's gradient (``w1``) travels alone,
+  and the rest (``w3``, ``b``, ``w2``) starts before that matmul, which its window holds."""
+  x, params = _inputs()
+  mesh = harness.mesh((2, 4), AXES)
+  step = overlap.value_and_summed_grad(_loss, AXES, bucket_bytes=1 << 20)
+  fn = jax.shard_map(
+    lambda x, p: step(p, x)[1], mesh=mesh, in_specs=(P(AXES), P()), out_specs=P(), check_vma=False
+  )
+  with async_interpret_mode("eager", deadlock_timeout_s=60.0):
+    jaxpr = jax.make_jaxpr(fn)(x, params).jaxpr
+  order = _program_order(jaxpr, [])
+  calls = {b: [i for i, (what, c) in enumerate(order) if c == b] for _, b in order if b is not None}
+  assert sorted(calls) == [0, 1], order
+  last_matmul = max(i for i, (what, _) in enumerate(order) if what == "dot_general")
+  assert calls[0][0] < last_matmul < calls[0][-1]
+  assert calls[1][0] > last_matmul
+  assert overlap._cut([3, 4, 5], {3: 1, 4: 7, 5: 9}, 8) == [[3, 4], [5]]
+  assert overlap._cut([3, 4], {3: 1, 4: 7}, 8) == [[3, 4]]
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize(
   "mode, mean", [("eager", False), ("on_wait", True)], ids=["eager", "on_wait"]
 )

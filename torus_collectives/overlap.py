@@ -13,7 +13,9 @@ its DMAs are on the link):
    equation of one flat program.
 2. The gradient leaves are grouped into buckets exactly as ``all_reduce_gradients`` groups
    them (``packing.buckets_by_size``, in the order the program computes them: last layers
-   first).
+   first), except that the last bucket is cut at the last convolution or matmul
+   (``_cut``): what only it produces (the first layer's kernel gradient) travels alone,
+   since nothing is left to overlap it, and the rest of that bucket starts before it.
 3. The equations are evaluated in program order. As soon as the equation that produces a
    bucket's last leaf has run, the bucket is packed into one flat buffer and its split
    all-reduce is started (its first call issued).
@@ -321,6 +323,9 @@ class _Threaded:
     where = [produced_at.get(a, -1) if isinstance(a, int) else -1 for a in grad_atoms]
     order = sorted(range(len(grad_atoms)), key=lambda i: (where[i], i))
     buckets = packing.buckets_by_size(grad_leaves, self.bucket_bytes, order)
+    heavy = [position for position, item in enumerate(eqns) if item.eqn.primitive.name in HEAVY]
+    if buckets and heavy:  # what exists only after the last heavy equation travels alone
+      buckets[-1:] = _cut(buckets[-1], where, heavy[-1])
     # The position of the equation after which each bucket's last leaf exists (-1: before any).
     ready_after = [max(where[i] for i in bucket) for bucket in buckets]
 
@@ -426,6 +431,8 @@ class _Threaded:
     order = sorted(range(len(keys)), key=lambda i: (reads[i], i))
     buckets = packing.buckets_by_size(self.gathering.like, self.bucket_bytes, order)
     heavy = [position for position, item in enumerate(eqns) if item.eqn.primitive.name in HEAVY]
+    if buckets and heavy:  # what the first heavy equation reads travels alone
+      buckets[:1] = _cut(buckets[0], reads, heavy[0] + 1)
     gathered = {}
     for bucket in buckets:
       with jax.named_scope(WEIGHT_GATHER_SCOPE):
@@ -502,6 +509,18 @@ class _Threaded:
       if split.calls_left and calls - split.calls_left < passed * calls // max(len(points), 1):
         with self._scope(split):
           split.advance()
+
+
+def _cut(bucket: list[int], positions, boundary: int) -> list[list[int]]:
+  """``bucket`` cut in two: its leaves whose ``positions`` lie before ``boundary``, then
+  the others (either part left out when empty). The summation's last bucket is cut at
+  the last heavy equation and the gather's first after the first one, so that the part
+  with nothing to overlap (the first layer's gradients, produced by the last backward
+  convolution; its weights, read by the first) is only what must be: a full bucket there
+  would be exposed whole."""
+  before = [i for i in bucket if positions[i] < boundary]
+  after = [i for i in bucket if positions[i] >= boundary]
+  return [part for part in (before, after) if part]
 
 
 def _advance_points(eqns, leaf_keys, first_start: int) -> list[int]:
