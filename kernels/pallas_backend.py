@@ -286,38 +286,45 @@ def split_all_reduce(x: jax.Array, axes: Sequence[str], torus: Sequence[int]):
 
 
 def split_reduce_scatter(x: jax.Array, axes: Sequence[str], torus: Sequence[int]):
-  """``[p*m] -> [m']`` as a ``split_collectives.SplitCollective`` in the torus variant (one
-  stream, lax's chunk order: device ``d`` keeps the sum of chunk ``d``). Each chunk is
-  zero-padded at its end to ``m'`` elements, whole DMA words; the result's first ``m``
-  elements are the sum (``finish`` cuts the padding off, ``finish_parts`` keeps it)."""
+  """``[p*m] -> [m']`` as a ``split_collectives.SplitCollective`` in the split torus
+  variant (2N streams, every link of a chip busy; lax's chunk order: device ``d`` keeps
+  the sum of chunk ``d``). Each chunk is zero-padded at its end to ``m'`` elements, whole
+  DMA words per stream; the result's first ``m`` elements are the sum (``finish`` cuts
+  the padding off, ``finish_parts`` keeps it)."""
   _check(x, axes, torus)
   mesh_axes, _ = _target()
   p = math.prod(torus)
-  rows = _padded_rows(x.reshape(p, -1), torus)
+  axes_and_sizes = list(zip(axes, torus))
+  streams = split_collectives.stream_count("reduce_scatter", axes_and_sizes, "torus_split")
+  rows = _padded_rows(x.reshape(p, -1), torus, streams)
   return split_collectives.SplitCollective(
     "reduce_scatter",
     ensure_varying(rows.reshape(-1), tuple(axes)),
-    list(zip(axes, torus)),
+    axes_and_sizes,
     mesh_axes,
     result_elements=x.size // p,
+    variant="torus_split",
   )
 
 
 def split_all_gather(x: jax.Array, axes: Sequence[str], torus: Sequence[int]):
-  """``[m] -> [p*m']`` as a ``split_collectives.SplitCollective`` in the torus variant (one
-  stream): ``x`` zero-padded at its end to ``m'`` elements, whole DMA words, so the result
-  is the ``[p, m']`` rows flattened, row ``d`` device ``d``'s padded ``x``."""
+  """``[m] -> [p*m']`` as a ``split_collectives.SplitCollective`` in the split torus
+  variant (2N streams): ``x`` zero-padded at its end to ``m'`` elements, whole DMA words
+  per stream, so the result is the ``[p, m']`` rows flattened, row ``d`` device ``d``'s
+  padded ``x``."""
   _check(x, axes, torus)
   mesh_axes, _ = _target()
-  row = _padded_rows(x[None], torus)[0]
+  axes_and_sizes = list(zip(axes, torus))
+  streams = split_collectives.stream_count("all_gather", axes_and_sizes, "torus_split")
+  row = _padded_rows(x[None], torus, streams)[0]
   return split_collectives.SplitCollective(
-    "all_gather", ensure_varying(row, tuple(axes)), list(zip(axes, torus)), mesh_axes
+    "all_gather", ensure_varying(row, tuple(axes)), axes_and_sizes, mesh_axes, variant="torus_split"
   )
 
 
-def _padded_rows(rows: jax.Array, torus: Sequence[int]) -> jax.Array:
+def _padded_rows(rows: jax.Array, torus: Sequence[int], streams: int) -> jax.Array:
   """``[r, m]`` rows zero-padded at their ends to the fewest whole DMA words per device
-  that a split collective over ``torus`` takes."""
+  and stream that a split collective over ``torus`` in ``streams`` streams takes."""
   p, m = math.prod(torus), rows.shape[1]
-  padded = split_collectives.padded_elements(p * m, torus, rows.dtype.itemsize) // p
+  padded = split_collectives.padded_elements(p * m, torus, rows.dtype.itemsize, streams) // p
   return jnp.pad(rows, ((0, 0), (0, padded - m)))

@@ -13,15 +13,21 @@ Streams (``variant``):
 
 * ``"torus"`` (one stream): the paper's schedule, ``schedule.build(kind, torus,
   "torus")``: every phase in direction +1, one link of each chip busy at a time;
-* ``"torus_split"`` (the all-reduce only; 2N streams on N axes of more than one device):
-  the buffer is cut into 2N equal parts, and part ``(r, d)`` runs the chain over the axes
-  rotated by ``r`` in direction ``d``, the streams of ``schedule.build("all_reduce",
-  torus, "torus_split")``. Every ``advance`` issues the next call of every stream, so at
-  each step the streams' hops run on different (axis, direction) links at once (on a
-  torus whose axes have equal sizes; otherwise they drift out of phase), each with
-  ``1 / 2N`` of the bytes: all 2N links of a chip carry traffic, as in the blocking
-  kernels. Per-stream traffic is the ring's ``(n - 1) / n`` of its part per phase, so the
-  total is the torus schedule's.
+* ``"torus_split"`` (2N streams on N axes of more than one device): the buffer is cut
+  into 2N equal parts, and part ``(r, d)`` runs the chain over the axes rotated by ``r``
+  in direction ``d``, the streams of ``schedule.build("all_reduce", torus,
+  "torus_split")``. Every ``advance`` issues the next call of every stream, so at each
+  step the streams' hops run on different (axis, direction) links at once (on a torus
+  whose axes have equal sizes; otherwise they drift out of phase), each with ``1 / 2N``
+  of the bytes: all 2N links of a chip carry traffic, as in the blocking kernels.
+  Per-stream traffic is the ring's ``(n - 1) / n`` of its part per phase, so the total is
+  the torus schedule's. A chain over rotated axes leaves device ``d`` the chunk whose
+  row-major index *in the rotated order* is ``d``'s, so the reduce-scatter and
+  all-gather, whose results depend on that order, cut each device's chunk (not the
+  buffer) into the 2N parts: stream ``s`` reduce-scatters slice ``s`` of every chunk,
+  the chunks laid out in its rotated order (a transposition of the ``[p, m]`` grid), and
+  the all-gather puts its streams' slices back the same way, so both equal lax's tiled
+  collectives whatever the streams.
 
 Axes are given as ``(name, size)`` pairs in the caller's order; the reduce-scatter of
 ``x`` over ``("x", "y")`` leaves device ``(i, j)`` chunk ``i * ny + j`` of the sum, as
@@ -63,11 +69,6 @@ def stream_count(collective: Collective, axes, variant: Variant = "torus") -> in
   live = _live_axes(axes)
   if variant == "torus" or not live:
     return 1
-  if collective != "all_reduce":
-    raise ValueError(
-      f'variant="torus_split" splits only the all-reduce (its result does not depend on '
-      f'the streams\' chunk orders); run the {collective} with variant="torus"'
-    )
   return 2 * len(live)
 
 
@@ -92,8 +93,30 @@ def _stream_phases(collective: Collective, axes, variant: Variant):
   live = _live_axes(axes)
   if stream_count(collective, axes, variant) == 1:
     return [_phases(collective, live)]
-  rotations = [live[r:] + live[:r] for r in range(len(live))]
-  return [_phases(collective, order, d) for order in rotations for d in (1, -1)]
+  return [_phases(collective, order, d) for order in _rotations(live) for d in (1, -1)]
+
+
+def _rotations(live) -> list[list[tuple[str, int]]]:
+  """The live axes rotated by 0, 1, ..., N - 1: each stream pair's axis order."""
+  return [live[r:] + live[:r] for r in range(len(live))]
+
+
+def _to_rotated(grid: jax.Array, sizes: Sequence[int], r: int) -> jax.Array:
+  """``[p, w]`` rows in row-major device order -> rows in the order rotated by ``r``
+  (row ``c`` holds the device whose row-major index over the rotated axes is ``c``)."""
+  n = len(sizes)
+  blocks = grid.reshape(*sizes, -1)
+  order = [*range(r, n), *range(r), n]
+  return blocks.transpose(order).reshape(grid.shape)
+
+
+def _from_rotated(grid: jax.Array, sizes: Sequence[int], r: int) -> jax.Array:
+  """The inverse of ``_to_rotated``."""
+  n = len(sizes)
+  rotated = [*sizes[r:], *sizes[:r]]
+  blocks = grid.reshape(*rotated, -1)
+  order = [*range(n - r, n), *range(n - r), n]
+  return blocks.transpose(order).reshape(grid.shape)
 
 
 class _Stream:
@@ -143,9 +166,42 @@ class SplitCollective:
     self.result_elements = result_elements
     self._check(x, axes, variant)
     phases = _stream_phases(collective, axes, variant)
-    parts = jnp.split(x, len(phases)) if len(phases) > 1 else [x]
+    self._live = _live_axes(axes)
+    parts = self._cut(x, len(phases))
     self._streams = [_Stream(part, p, self.mesh_axes) for part, p in zip(parts, phases)]
-    self.parts_like = parts  # arrays of the parts' types, for tracing what reads them
+    self.stream_bytes = parts[0].size * parts[0].dtype.itemsize  # one stream's input
+    # Arrays of the types ``finish_parts`` returns (varying as the input is), for tracing
+    # what reads them.
+    p = math.prod(n for _, n in self._live)
+    if collective == "all_reduce":
+      self.parts_like = parts
+    elif collective == "reduce_scatter":
+      self.parts_like = [part[: part.size // p] for part in parts]
+    else:
+      self.parts_like = [jnp.broadcast_to(x, (p, x.size)).reshape(-1)]
+
+  def _cut(self, x: jax.Array, streams: int) -> list[jax.Array]:
+    """Each stream's input: the buffer cut in ``streams`` equal parts (the all-reduce, the
+    all-gather's own chunk), or for the reduce-scatter slice ``s`` of every chunk, the
+    chunks in stream ``s``'s rotated order (module doc)."""
+    if streams == 1:
+      return [x]
+    if self.collective != "reduce_scatter":
+      return jnp.split(x, streams)
+    sizes = [n for _, n in self._live]
+    grid = x.reshape(math.prod(sizes), -1)
+    slices = jnp.split(grid, streams, axis=1)
+    return [_to_rotated(g, sizes, s // 2).reshape(-1) for s, g in enumerate(slices)]
+
+  def _gathered_parts(self, parts) -> list[jax.Array]:
+    """The all-gather's parts as its result: the ``[p, w]`` rows of each stream's slice,
+    back in row-major device order, flattened side by side as ``[p, sum w]``."""
+    if len(parts) == 1:
+      return parts
+    sizes = [n for _, n in self._live]
+    p = math.prod(sizes)
+    grids = [_from_rotated(g.reshape(p, -1), sizes, s // 2) for s, g in enumerate(parts)]
+    return [jnp.concatenate(grids, axis=1).reshape(-1)]
 
   def _check(self, x, axes, variant) -> None:
     """Every phase's chunk is a whole number of DMA words (raises before any call)."""
@@ -211,10 +267,12 @@ class SplitCollective:
   def finish_parts(self) -> list[jax.Array]:
     """Issues every call left; returns each stream's part of the result, unjoined (a
     barrier on the parts copies nothing, and pieces sliced from them need no buffer of the
-    whole: ``packing.unpack_parts``)."""
+    whole: ``packing.unpack_parts``); the all-gather's streams put back together as one
+    (its result interleaves their slices row by row)."""
     while self.calls_left:
       self.advance()
-    return [stream.value for stream in self._streams]
+    parts = [stream.value for stream in self._streams]
+    return self._gathered_parts(parts) if self.collective == "all_gather" else parts
 
 
 def run(

@@ -48,8 +48,8 @@ def _run_all_three(mesh, x, mode, variant="torus"):
     # issue their calls in one order; data dependencies fix it (interpret mode runs
     # independent calls of one device concurrently, a TPU one after another).
     _, v = lax.optimization_barrier((reduced, v))
-    scattered = split_collectives.run("reduce_scatter", v, axes, names)
-    gathered = split_collectives.run("all_gather", scattered, axes, names)
+    scattered = split_collectives.run("reduce_scatter", v, axes, names, variant=variant)
+    gathered = split_collectives.run("all_gather", scattered, axes, names, variant=variant)
     return (reduced, scattered, gathered), jnp.stack(hooks)
 
   def references(v):  # a program of its own (see test_async_torus._phase_and_compute)
@@ -100,9 +100,11 @@ SPLIT_CASES = [  # every mesh and dtype in both DMA modes, each pair once
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("mode, case, dtype", SPLIT_CASES, ids=["-".join(c) for c in SPLIT_CASES])
-def test_split_torus_all_reduce_matches_lax(mode, case, dtype):
-  """The 2N-stream all-reduce (each stream rotated over the axes, in both directions):
-  on 2x4 four streams, on 2x2x2 six, on a ring of 8 two (the bidirectional ring)."""
+def test_split_torus_variant_matches_lax(mode, case, dtype):
+  """The 2N-stream all-reduce, reduce-scatter and all-gather (each stream rotated over the
+  axes, in both directions; the last two with every chunk's slices laid out in each
+  stream's rotated order): on 2x4 four streams, on 2x2x2 six, on a ring of 8 two (the
+  bidirectional ring)."""
   mesh = harness.mesh((8,), ("x",)) if case == "8" else harness.mesh(*MESHES[case])
   streams = split_collectives.stream_count("all_reduce", mesh.shape.items(), "torus_split")
   assert streams == 2 * len(mesh.axis_names)
@@ -111,7 +113,7 @@ def test_split_torus_all_reduce_matches_lax(mode, case, dtype):
 
 def test_split_torus_streams_follow_the_schedule():
   """The streams' phases are those of ``schedule.build("all_reduce", torus, "torus_split")``,
-  one part of the buffer each, and only the all-reduce splits."""
+  one part of the buffer each; the rotated row orders invert each other."""
   axes = [("x", 2), ("y", 4)]
   expected = [
     [(p.kind, axes[p.axis][0], p.direction) for p in stream]
@@ -119,8 +121,15 @@ def test_split_torus_streams_follow_the_schedule():
   ]
   streams = split_collectives._stream_phases("all_reduce", axes, "torus_split")
   assert sorted([(kind, name, d) for kind, name, _, d in s] for s in streams) == sorted(expected)
-  with pytest.raises(ValueError, match="splits only the all-reduce"):
-    split_collectives.stream_count("reduce_scatter", axes, "torus_split")
+  grid = jnp.arange(24 * 3).reshape(24, 3)
+  sizes = (2, 3, 4)
+  for r in range(3):
+    rotated = split_collectives._to_rotated(grid, sizes, r)
+    np.testing.assert_array_equal(split_collectives._from_rotated(rotated, sizes, r), grid)
+  # Rotated by 1 (axes y, z, x): device (i, j, k) at row (j * 4 + k) * 2 + i.
+  rotated = split_collectives._to_rotated(grid, sizes, 1)
+  i, j, k = 1, 2, 3
+  np.testing.assert_array_equal(rotated[(j * 4 + k) * 2 + i], grid[(i * 3 + j) * 4 + k])
 
 
 @pytest.mark.interpret

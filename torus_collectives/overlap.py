@@ -758,8 +758,7 @@ def _call_spacing(output_work, output_needs, calls_left, hop_bytes) -> list[floa
 def _hop_bytes(split, sizes) -> float:
   """The bytes one call of ``split`` sends on a link: a stream's part over the largest
   ring."""
-  parts = split.parts_like
-  return sum(_nbytes(p) for p in parts) / (len(parts) * max(sizes))
+  return split.stream_bytes / max(sizes)
 
 
 def _pin_to(splits, values) -> list:
