@@ -286,45 +286,46 @@ def split_all_reduce(x: jax.Array, axes: Sequence[str], torus: Sequence[int]):
 
 
 def split_reduce_scatter(x: jax.Array, axes: Sequence[str], torus: Sequence[int]):
-  """``[p*m] -> [m']`` as a ``split_collectives.SplitCollective`` in the split torus
-  variant (2N streams, every link of a chip busy; lax's chunk order: device ``d`` keeps
-  the sum of chunk ``d``). Each chunk is zero-padded at its end to ``m'`` elements, whole
-  DMA words per stream; the result's first ``m`` elements are the sum (``finish`` cuts
-  the padding off, ``finish_parts`` keeps it)."""
+  """``[p*m] -> [m']`` as a ``split_collectives.SplitCollective`` in the torus variant (one
+  stream, lax's chunk order: device ``d`` keeps the sum of chunk ``d``). Each chunk is
+  zero-padded at its end to ``m'`` elements, whole DMA words; the result's first ``m``
+  elements are the sum (``finish`` cuts the padding off, ``finish_parts`` keeps it).
+
+  One stream, not the split torus variant's 2N (``split_collectives`` module doc): those
+  leave each device its chunk in another order, and putting the chunks back is a
+  transposition of every bucket, a copy of the whole buffer on each side of the step,
+  where one stream's chunks are already in place."""
   _check(x, axes, torus)
   mesh_axes, _ = _target()
   p = math.prod(torus)
-  axes_and_sizes = list(zip(axes, torus))
-  streams = split_collectives.stream_count("reduce_scatter", axes_and_sizes, "torus_split")
-  rows = _padded_rows(x.reshape(p, -1), torus, streams)
+  m = x.size // p
+  padded = _padded_chunk(m, torus, x.dtype.itemsize)
+  rows = x.reshape(p, m) if padded == m else jnp.pad(x.reshape(p, m), ((0, 0), (0, padded - m)))
   return split_collectives.SplitCollective(
     "reduce_scatter",
     ensure_varying(rows.reshape(-1), tuple(axes)),
-    axes_and_sizes,
+    list(zip(axes, torus)),
     mesh_axes,
-    result_elements=x.size // p,
-    variant="torus_split",
+    result_elements=m,
   )
 
 
 def split_all_gather(x: jax.Array, axes: Sequence[str], torus: Sequence[int]):
-  """``[m] -> [p*m']`` as a ``split_collectives.SplitCollective`` in the split torus
-  variant (2N streams): ``x`` zero-padded at its end to ``m'`` elements, whole DMA words
-  per stream, so the result is the ``[p, m']`` rows flattened, row ``d`` device ``d``'s
-  padded ``x``."""
+  """``[m] -> [p*m']`` as a ``split_collectives.SplitCollective`` in the torus variant (one
+  stream, as ``split_reduce_scatter``): ``x`` zero-padded at its end to ``m'`` elements,
+  whole DMA words, so the result is the ``[p, m']`` rows flattened, row ``d`` device
+  ``d``'s padded ``x``."""
   _check(x, axes, torus)
   mesh_axes, _ = _target()
-  axes_and_sizes = list(zip(axes, torus))
-  streams = split_collectives.stream_count("all_gather", axes_and_sizes, "torus_split")
-  row = _padded_rows(x[None], torus, streams)[0]
+  padded = _padded_chunk(x.size, torus, x.dtype.itemsize)
+  row = jnp.pad(x, (0, padded - x.size))  # 1-D: a [1, m] view would be laid out anew
   return split_collectives.SplitCollective(
-    "all_gather", ensure_varying(row, tuple(axes)), axes_and_sizes, mesh_axes, variant="torus_split"
+    "all_gather", ensure_varying(row, tuple(axes)), list(zip(axes, torus)), mesh_axes
   )
 
 
-def _padded_rows(rows: jax.Array, torus: Sequence[int], streams: int) -> jax.Array:
-  """``[r, m]`` rows zero-padded at their ends to the fewest whole DMA words per device
-  and stream that a split collective over ``torus`` in ``streams`` streams takes."""
-  p, m = math.prod(torus), rows.shape[1]
-  padded = split_collectives.padded_elements(p * m, torus, rows.dtype.itemsize, streams) // p
-  return jnp.pad(rows, ((0, 0), (0, padded - m)))
+def _padded_chunk(m: int, torus: Sequence[int], itemsize: int) -> int:
+  """The fewest elements ``>= m`` per device that a one-stream split collective over
+  ``torus`` takes: whole DMA words."""
+  p = math.prod(torus)
+  return split_collectives.padded_elements(p * m, torus, itemsize) // p

@@ -27,7 +27,10 @@ Streams (``variant``):
   buffer) into the 2N parts: stream ``s`` reduce-scatters slice ``s`` of every chunk,
   the chunks laid out in its rotated order (a transposition of the ``[p, m]`` grid), and
   the all-gather puts its streams' slices back the same way, so both equal lax's tiled
-  collectives whatever the streams.
+  collectives whatever the streams. Those transpositions are copies of the whole buffer,
+  so the pallas backend runs its split reduce-scatter and all-gather in one stream
+  (``pallas_backend.split_reduce_scatter``); whether 2N links' bandwidth pays for the
+  copies in a real step is not measured here.
 
 Axes are given as ``(name, size)`` pairs in the caller's order; the reduce-scatter of
 ``x`` over ``("x", "y")`` leaves device ``(i, j)`` chunk ``i * ny + j`` of the sum, as
@@ -65,7 +68,7 @@ def _live_axes(axes) -> list[tuple[str, int]]:
 
 
 def stream_count(collective: Collective, axes, variant: Variant = "torus") -> int:
-  """How many streams the collective runs in (module doc): 2N for the split all-reduce."""
+  """How many streams the collective runs in (module doc): 2N in the split torus variant."""
   live = _live_axes(axes)
   if variant == "torus" or not live:
     return 1
@@ -170,15 +173,7 @@ class SplitCollective:
     parts = self._cut(x, len(phases))
     self._streams = [_Stream(part, p, self.mesh_axes) for part, p in zip(parts, phases)]
     self.stream_bytes = parts[0].size * parts[0].dtype.itemsize  # one stream's input
-    # Arrays of the types ``finish_parts`` returns (varying as the input is), for tracing
-    # what reads them.
-    p = math.prod(n for _, n in self._live)
-    if collective == "all_reduce":
-      self.parts_like = parts
-    elif collective == "reduce_scatter":
-      self.parts_like = [part[: part.size // p] for part in parts]
-    else:
-      self.parts_like = [jnp.broadcast_to(x, (p, x.size)).reshape(-1)]
+    self._input = x
 
   def _cut(self, x: jax.Array, streams: int) -> list[jax.Array]:
     """Each stream's input: the buffer cut in ``streams`` equal parts (the all-reduce, the
@@ -221,6 +216,16 @@ class SplitCollective:
     for name, _ in _live_axes(axes):
       if name not in self.mesh_axes:
         raise ValueError(f"axis {name!r} is not one of mesh_axes={self.mesh_axes}")
+
+  @property
+  def parts_like(self) -> list[jax.Array]:
+    """Arrays of the types ``finish_parts`` returns (varying as the input is), for tracing
+    what reads them; built when asked for, so that nothing computes them otherwise."""
+    p, streams = math.prod(n for _, n in self._live), len(self._streams)
+    if self.collective == "all_gather":
+      return [jnp.broadcast_to(self._input, (p, self._input.size)).reshape(-1)]
+    size = self._input.size // streams // (p if self.collective == "reduce_scatter" else 1)
+    return [self._input[:size]] * streams
 
   @property
   def streams(self) -> int:

@@ -5,7 +5,9 @@ on, both DMA execution modes, on small integers (exact in float32 and bfloat16 a
 sums): the split all-reduce, reduce-scatter and all-gather over every axis of a 2x4 and a
 2x2x2 mesh (and 4x4, in a subprocess with 16 devices) equal ``lax.psum``,
 ``lax.psum_scatter(tiled=True)`` and ``lax.all_gather(tiled=True)``, with a jnp
-computation pinned between every two calls (its results checked too); two all-reduces
+computation pinned between every two calls (its results checked too), in one stream and
+in the split torus variant's 2N (whose reduce-scatter and all-gather lay each chunk's
+slices out in every stream's rotated order and back); two all-reduces
 advanced alternately, both in flight at once, equal theirs. The call sequence follows the
 torus schedule's phase order, and a buffer that does not split into whole DMA words is
 refused before any call.

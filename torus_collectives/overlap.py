@@ -67,8 +67,8 @@ The same machinery threads weight-update sharding through a whole step
 (``weight_update.threaded``): a ``Summation`` says how a bucket is packed and which split
 collective sums it (here the all-reduce; there ``sharded_update``'s rows and a
 reduce-scatter), and a ``Gathering`` makes program inputs (the parameters) arrive by split
-all-gathers started before the first equation, each paced over the heavy equations
-before its first read and finished at that read.
+all-gathers, two in flight at a time, each paced over the heavy equations before its
+first read and finished at that read.
 
 The result is that of ``jax.value_and_grad(fun)`` followed by
 ``all_reduce_gradients(grads, axis_name, mean=mean, bucket_bytes=bucket_bytes,
@@ -151,6 +151,11 @@ HEAVY = frozenset({"conv_general_dilated", "dot_general"})
 LAYOUT = frozenset(
   "reshape squeeze expand_dims broadcast_in_dim convert_element_type transpose copy copy_p".split()
 )
+# Weight gathers in flight at once in the forward pass: the one the next layers read and
+# the one after it. More would share the links with the gather needed next, which then
+# arrives late (ResNet-50 on v5e:2x4, all started at once: 0.50 ms of the second bucket
+# exposed, compiler estimate).
+GATHERS_IN_FLIGHT = 2
 # What lays an input out for a convolution without computing on it (``_computed``).
 LAID_OUT = LAYOUT | {"rev"}
 
@@ -184,13 +189,15 @@ class Gathering:
   (weight-update sharding's parameters, ``weight_update.threaded``).
 
   ``indices``: the flat arguments gathered (their values passed to ``run`` only stand in
-  for their types); ``like``: their shapes and dtypes; ``pack``: leaf numbers (into
+  for their types); ``like``: their shapes and dtypes; ``calls``: the calls each split
+  all-gather issues (its windows: ``_start_gathers``); ``pack``: leaf numbers (into
   ``like``) -> the flat buffer of this device's shards of them; ``start``: the buffer ->
   its split all-gather; ``unpack``: the leaf numbers and the finished collective's parts
   -> the whole leaves."""
 
   indices: tuple[int, ...]
   like: tuple[Any, ...]
+  calls: int
   pack: Callable[[list[int]], jax.Array]
   start: Callable[[jax.Array], Any]
   unpack: Callable[[list[int], list[jax.Array]], list[jax.Array]]
@@ -285,6 +292,9 @@ class _Threaded:
     self.in_flight: list[tuple[list[int], Any]] = []  # (leaf indices, SplitCollective)
     # The gathers not finished yet: (leaf numbers into ``gathering.like``, SplitCollective).
     self.gathers: list[tuple[list[int], Any]] = []
+    self.pending: list[tuple[list[int], int]] = []  # gathers not started: (bucket, first read)
+    self.gathers_started = 0
+    self.heavy: list[int] = []  # the positions of the heavy equations
     self.scopes: dict[int, tuple[str, int]] = {}  # id(split) -> (its scope, its start order)
     self.last_communicated: list[jax.Array] = []  # results of the last such equation
     self.points: list[int] = []  # the advance points (``_advance_points``)
@@ -338,7 +348,7 @@ class _Threaded:
     points = set(self.points)
     self._start_ready(buckets, ready_after, -1, gradient)
     for position, item in enumerate(eqns):
-      self._finish_gathers_read(item, gathered, env)
+      self._finish_gathers_read(position, item, gathered, env)
       operands = [_read(env, atom) for atom in item.ins]
       name = item.eqn.primitive.name
       flying = bool(self._flying())
@@ -358,7 +368,8 @@ class _Threaded:
       env.update(zip(item.outs, results))
       self._start_ready(buckets, ready_after, position, gradient)
     while self.gathers:  # inputs never read: their gathers still complete
-      self._finish_gather(gathered, in_keys[self.gathering.indices[self.gathers[0][0][0]]], env)
+      first_leaf = self.gathers[0][0][0]
+      self._finish_gather(gathered, in_keys[self.gathering.indices[first_leaf]], env, len(eqns))
     result = self._result(grad_leaves, gradient_then, update is not None)
     # The value and aux come out of a barrier with the result, so that what the caller
     # computes from them (its metrics' collectives, say) runs after the last call.
@@ -412,12 +423,11 @@ class _Threaded:
     return _pin_to(self._flying(), values)
 
   def _start_gathers(self, eqns, in_keys) -> dict[int, tuple[int, list[int]]]:
-    """Starts the split all-gather of every bucket of the gathered inputs, the buckets
-    filled in the order the program first reads the leaves (the forward pass's: first
-    layers first), each started after the one before (a barrier: one order on every
-    device) and its first call issued. Its calls are paced over the heavy equations
-    before its first read (``_advance_due``), and the rest issued at that read
-    (``_finish_gather``). Returns each gathered input's key -> (leaf number, bucket)."""
+    """Buckets the gathered inputs in the order the program first reads the leaves (the
+    forward pass's: first layers first) and starts the split all-gathers of the first
+    ``GATHERS_IN_FLIGHT`` (``_start_next_gather``); each later one starts when the one
+    ``GATHERS_IN_FLIGHT`` before it is finished, at its first read (``_finish_gather``).
+    Returns each gathered input's key -> (leaf number, bucket)."""
     if self.gathering is None:
       return {}
     keys = [in_keys[i] for i in self.gathering.indices]
@@ -429,39 +439,60 @@ class _Threaded:
     never = len(eqns)
     reads = [first_read.get(k, never) for k in keys]
     order = sorted(range(len(keys)), key=lambda i: (reads[i], i))
-    buckets = packing.buckets_by_size(self.gathering.like, self.bucket_bytes, order)
     heavy = [position for position, item in enumerate(eqns) if item.eqn.primitive.name in HEAVY]
-    if buckets and heavy:  # what the first heavy equation reads travels alone
-      buckets[:1] = _cut(buckets[0], reads, heavy[0] + 1)
-    gathered = {}
-    for bucket in buckets:
-      with jax.named_scope(WEIGHT_GATHER_SCOPE):
-        (flat,) = self._pin([self.gathering.pack(bucket)])
-        split = self.gathering.start(flat)
-      self.scopes[id(split)] = (WEIGHT_GATHER_SCOPE, len(self.scopes))
-      self.gathers.append((bucket, split))
-      with self._scope(split):
-        split.advance()
-      needed = min(reads[i] for i in bucket)
-      self.pacing[id(split)] = (split.calls_left, [h for h in heavy if h < needed])
-      gathered.update((keys[i], (i, bucket)) for i in bucket)
-    return gathered
+    # What is read by the first heavy equations, before a gather's calls could have a
+    # window each, is gathered first, whole (one bucket per dtype): its calls are issued
+    # back to back at its first read, so it is the exposed part; every later bucket has
+    # as many heavy equations before its first read as it has calls.
+    boundary = heavy[min(self.gathering.calls, len(heavy)) - 1] + 1 if heavy else 0
+    early = [i for i in order if reads[i] < boundary]
+    late = [i for i in order if reads[i] >= boundary]
+    buckets = _buckets_of(early, self.gathering.like, math.inf)
+    buckets += _buckets_of(late, self.gathering.like, self.bucket_bytes)
+    self.heavy = heavy
+    self.pending = [(bucket, min(reads[i] for i in bucket)) for bucket in buckets]
+    for _ in range(GATHERS_IN_FLIGHT):
+      self._start_next_gather(-1)
+    return {keys[i]: (i, bucket) for bucket in buckets for i in bucket}
 
-  def _finish_gathers_read(self, item, gathered, env) -> None:
-    """Finishes the gather of every gathered input that ``item`` reads first."""
+  def _start_next_gather(self, position: int) -> None:
+    """Starts the next bucket's split all-gather before the equation at ``position``,
+    after every gather started so far (a barrier: one order on every device), and issues
+    its first call; its others are paced over the heavy equations from ``position`` to
+    its first read (``_advance_due``), the rest issued at that read."""
+    if not self.pending:
+      return
+    bucket, needed = self.pending.pop(0)
+    with jax.named_scope(WEIGHT_GATHER_SCOPE):
+      (flat,) = self._pin([self.gathering.pack(bucket)])
+      split = self.gathering.start(flat)
+    self.scopes[id(split)] = (WEIGHT_GATHER_SCOPE, self.gathers_started)
+    self.gathers_started += 1
+    self.gathers.append((bucket, split))
+    with self._scope(split):
+      split.advance()
+    points = [h for h in self.heavy if position <= h < needed]
+    self.pacing[id(split)] = (split.calls_left, points)
+
+  def _finish_gathers_read(self, position, item, gathered, env) -> None:
+    """Finishes the gather of every gathered input that ``item`` (at ``position``) reads
+    first."""
     for atom in item.ins:
       if isinstance(atom, int) and atom in gathered and atom not in env:
-        self._finish_gather(gathered, atom, env)
+        self._finish_gather(gathered, atom, env, position)
 
-  def _finish_gather(self, gathered, key, env) -> None:
+  def _finish_gather(self, gathered, key, env, position: int) -> None:
     """Issues the calls left of the gather holding input ``key``; its leaves enter ``env``."""
     _, bucket = gathered[key]
+    while not any(b is bucket for b, _ in self.gathers):  # read before its turn
+      self._start_next_gather(position)
     k = next(k for k, (b, _) in enumerate(self.gathers) if b is bucket)
     _, split = self.gathers.pop(k)
     with self._scope(split):
       leaves = self.gathering.unpack(bucket, split.finish_parts())
     keys = {i: k for k, (i, _) in gathered.items()}
     env.update((keys[i], leaf) for i, leaf in zip(bucket, leaves))
+    self._start_next_gather(position)
 
   def _after_last_call(self, item, operands, producer):
     """The heavy equation ``item``'s operands, one of them less a zero that comes out of
@@ -511,13 +542,19 @@ class _Threaded:
           split.advance()
 
 
+def _buckets_of(indices: list[int], leaves, bucket_bytes) -> list[list[int]]:
+  """``packing.buckets_by_size`` of the ``leaves`` at ``indices``, filled in that order."""
+  chosen = [leaves[i] for i in indices]
+  buckets = packing.buckets_by_size(chosen, bucket_bytes, range(len(indices)))
+  return [[indices[j] for j in bucket] for bucket in buckets]
+
+
 def _cut(bucket: list[int], positions, boundary: int) -> list[list[int]]:
   """``bucket`` cut in two: its leaves whose ``positions`` lie before ``boundary``, then
   the others (either part left out when empty). The summation's last bucket is cut at
-  the last heavy equation and the gather's first after the first one, so that the part
-  with nothing to overlap (the first layer's gradients, produced by the last backward
-  convolution; its weights, read by the first) is only what must be: a full bucket there
-  would be exposed whole."""
+  the last heavy equation, so that the part with nothing to overlap (the first layer's
+  gradients, produced by the last backward convolution) is only what must be: a full
+  bucket there would be exposed whole."""
   before = [i for i in bucket if positions[i] < boundary]
   after = [i for i in bucket if positions[i] >= boundary]
   return [part for part in (before, after) if part]

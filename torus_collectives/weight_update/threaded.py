@@ -11,13 +11,16 @@ steps and a done per ring phase: ``kernels.split_collectives``) on both sides:
 1. ``jax.value_and_grad(fun)`` is traced on per-replica (varying) parameters of the
    gathered shapes, and its calls inlined.
 2. *Forward pass* (``overlap.Gathering``): the parameter leaves are packed into buckets
-   in the order the program first reads them (the first layers' weights first); every
-   bucket's split all-gather starts before the first equation, one after another, and
-   issues its calls spread evenly over the heavy equations (convolutions, matmuls)
-   before its first read, each call after the one before it (operand-side and
-   result-side barriers, as in ``overlap``). Reading a leaf issues its bucket's calls
-   left. So the first bucket is exposed and the later ones overlap the layers before
-   them (ZeRO's prefetch, one program).
+   in the order the program first reads them (the first layers' weights first), what the
+   first ``C`` heavy equations read in the first bucket, ``C`` a gather's calls, since
+   nothing before it can cover its gather and a later bucket needs ``C`` windows. Two
+   buckets' split all-gathers are in flight at a time (``overlap.GATHERS_IN_FLIGHT``):
+   the first two start before the first equation, and each later one when the one two
+   before it is read. Each issues its calls spread evenly over the heavy equations
+   (convolutions, matmuls) before its first read, each call after the one before it
+   (operand-side and result-side barriers, as in ``overlap``), and the rest at that
+   read. So the first (small) bucket is exposed and the later ones overlap the layers
+   before them (ZeRO's prefetch, one program).
 3. *Backward pass* (``overlap.Summation``): each bucket of gradients, once its last leaf
    exists, is laid out as ``sharded_update`` lays it (``[p, sum m]`` rows, row ``d``
    device ``d``'s shard of every leaf; the backend pads each row to whole DMA words) and
@@ -126,6 +129,8 @@ def value_and_apply(
     gathering = Gathering(
       indices=tuple(range(count)),
       like=tuple(like_leaves),
+      # One stream, a ring phase over n devices being n calls (kernels.split_collectives).
+      calls=sum(n for n in torus if n > 1),
       pack=lambda bucket: packing.pack([shards[i] for i in bucket]),
       start=lambda flat: backend.split_all_gather(flat, names, torus),
       unpack=lambda bucket, parts: _unpack_gathered(bucket, parts, like_leaves, p),
