@@ -1,12 +1,15 @@
 """The threaded gradient summation's compiled schedule, ahead of time per TPU generation.
 
 A four-layer convolutional network's data-parallel step (``tc.value_and_summed_grad`` with
-the split Pallas all-reduce, two buckets of two kernels) is compiled for v5e, v6e, v4 and
-a 3-D v5p mesh (needs libtpu). In the scheduled program (``bench.hlo_schedule``):
+the split Pallas all-reduce, buckets of two kernels) is compiled for v5e, v6e, v4 and a
+3-D v5p mesh (needs libtpu). The kernels' gradients come in the order w4, w3, w2, w1, so
+the buckets are [w4, w3] and [w2, w1], the last cut at the last backward convolution,
+which produces w1's: [w4, w3], [w2], [w1]. In the scheduled program
+(``bench.hlo_schedule``):
 
 * each bucket runs 2N streams, each a chain of start, steps and done per phase;
-* the first bucket's chains start before a backward convolution and finish after one
-  (the second bucket holds the first layer's kernel, produced by the last backward
+* the chains of every bucket but the last start before a backward convolution and finish
+  after one (the last holds the first layer's kernel alone, produced by the last backward
   convolution: nothing is left to overlap it);
 * every step and done takes its buffer from the previous call in place: no copy of a
   buffer that DMAs are writing (``split_schedule_problems``).
@@ -67,9 +70,12 @@ def test_every_bucket_but_the_last_overlaps_a_backward_convolution(generation):
   chains = hlo_schedule.split_chains(ops)
   streams = 2 * len(live_axes)
   calls = sum(2 * mesh.shape[a] for a in live_axes)  # a start to a done per phase
-  assert [len(c) for c in chains] == [calls] * (2 * streams), chains
+  buckets = 3
+  assert [len(c) for c in chains] == [calls] * (buckets * streams), chains
   assert hlo_schedule.split_schedule_problems(ops) == []
   backward = [i for i, op in enumerate(ops) if hlo_schedule.is_backward_convolution(op)]
-  first = sorted(chains, key=lambda c: c[0])[:streams]  # the first bucket's streams
-  for chain in first:
+  in_start_order = sorted(chains, key=lambda c: c[0])
+  for chain in in_start_order[: (buckets - 1) * streams]:  # every bucket's streams but the last's
     assert any(chain[0] < i < chain[-1] for i in backward), (chain, backward)
+  last = in_start_order[(buckets - 1) * streams :]
+  assert not any(chain[0] < i < chain[-1] for chain in last for i in backward), (last, backward)
