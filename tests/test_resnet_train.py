@@ -323,9 +323,18 @@ def two_process_run(data_dir, tmp_path_factory):
 
 @pytest.mark.multiprocess
 def test_two_processes_match_one(full_run, two_process_run):
+  """The same batches and the same arithmetic on 2 processes x 4 devices as on 1 x 8; only
+  the order in which the cross-device sums add (gloo's ring against XLA's in-process
+  all-reduce) differs. So the first step's loss, before any update, is the same to float32
+  rounding (rtol 1e-6), and every later step's within rtol 1e-4: the rounding of two
+  summation orders grows through the updates at this learning rate and batch (seen: 1e-7
+  after one update, 1.1e-5 after five), while another batch's loss differs by about
+  1e-2 (this run's steps differ from each other by that much)."""
   one, two = _losses(full_run[0]), _losses(two_process_run)
   assert one.keys() == two.keys()
-  np.testing.assert_allclose([two[k] for k in one], list(one.values()), rtol=1e-5)
+  first = min(one)
+  np.testing.assert_allclose(two[first], one[first], rtol=1e-6)
+  np.testing.assert_allclose([two[k] for k in one], list(one.values()), rtol=1e-4)
 
 
 @pytest.mark.multiprocess
