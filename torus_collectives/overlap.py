@@ -152,9 +152,8 @@ LAYOUT = frozenset(
   "reshape squeeze expand_dims broadcast_in_dim convert_element_type transpose copy copy_p".split()
 )
 # Weight gathers in flight at once in the forward pass: the one the next layers read and
-# the one after it. More would share the links with the gather needed next, which then
-# arrives late (ResNet-50 on v5e:2x4, all started at once: 0.50 ms of the second bucket
-# exposed, compiler estimate).
+# the one after it. More would share the links with the gather needed next, so that it
+# arrives later (a choice by that reasoning; the alternatives are not compared here).
 GATHERS_IN_FLIGHT = 2
 # What lays an input out for a convolution without computing on it (``_computed``).
 LAID_OUT = LAYOUT | {"rev"}
@@ -294,7 +293,7 @@ class _Threaded:
     self.gathers: list[tuple[list[int], Any]] = []
     self.pending: list[tuple[list[int], int]] = []  # gathers not started: (bucket, first read)
     self.gathers_started = 0
-    self.heavy: list[int] = []  # the positions of the heavy equations
+    self.heavy: list[int] = []  # the positions of the heavy equations (set by ``run``)
     self.scopes: dict[int, tuple[str, int]] = {}  # id(split) -> (its scope, its start order)
     self.last_communicated: list[jax.Array] = []  # results of the last such equation
     self.points: list[int] = []  # the advance points (``_advance_points``)
@@ -321,6 +320,7 @@ class _Threaded:
     constants: dict[int, Any] = {}
     in_keys = [next(counter) for _ in flat_args]
     eqns, outs = inlining.inline(closed.jaxpr, closed.consts, in_keys, counter, constants)
+    self.heavy = [i for i, item in enumerate(eqns) if item.eqn.primitive.name in HEAVY]
     gathered = self._start_gathers(eqns, in_keys)  # input key -> (leaf number, bucket)
     env: dict[Any, Any] = {
       **constants,
@@ -333,9 +333,8 @@ class _Threaded:
     where = [produced_at.get(a, -1) if isinstance(a, int) else -1 for a in grad_atoms]
     order = sorted(range(len(grad_atoms)), key=lambda i: (where[i], i))
     buckets = packing.buckets_by_size(grad_leaves, self.bucket_bytes, order)
-    heavy = [position for position, item in enumerate(eqns) if item.eqn.primitive.name in HEAVY]
-    if buckets and heavy:  # what exists only after the last heavy equation travels alone
-      buckets[-1:] = _cut(buckets[-1], where, heavy[-1])
+    if buckets and self.heavy:  # what exists only after the last heavy equation travels alone
+      buckets[-1:] = _cut(buckets[-1], where, self.heavy[-1])
     # The position of the equation after which each bucket's last leaf exists (-1: before any).
     ready_after = [max(where[i] for i in bucket) for bucket in buckets]
 
@@ -439,9 +438,9 @@ class _Threaded:
     never = len(eqns)
     reads = [first_read.get(k, never) for k in keys]
     order = sorted(range(len(keys)), key=lambda i: (reads[i], i))
-    heavy = [position for position, item in enumerate(eqns) if item.eqn.primitive.name in HEAVY]
+    heavy = self.heavy
     # What is read by the first heavy equations, before a gather's calls could have a
-    # window each, is gathered first, whole (one bucket per dtype): its calls are issued
+    # window each, is gathered first, whole (one dtype per bucket): its calls are issued
     # back to back at its first read, so it is the exposed part; every later bucket has
     # as many heavy equations before its first read as it has calls.
     boundary = heavy[min(self.gathering.calls, len(heavy)) - 1] + 1 if heavy else 0
@@ -449,7 +448,6 @@ class _Threaded:
     late = [i for i in order if reads[i] >= boundary]
     buckets = _buckets_of(early, self.gathering.like, math.inf)
     buckets += _buckets_of(late, self.gathering.like, self.bucket_bytes)
-    self.heavy = heavy
     self.pending = [(bucket, min(reads[i] for i in bucket)) for bucket in buckets]
     for _ in range(GATHERS_IN_FLIGHT):
       self._start_next_gather(-1)
