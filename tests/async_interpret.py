@@ -80,6 +80,11 @@ Where it stops (what it cannot model):
   the interpreter, so a block runs some thousands of calls, not millions. Every call in
   the block must use its interpret params; nested blocks are refused. Executables
   lowered inside a block call back into it, so jax's caches are cleared on entry and exit.
+* The simulated devices share XLA's CPU pool (``cpu_pool_threads``): a block refuses to
+  start with fewer than ``CPU_POOL_THREADS_PER_DEVICE`` threads a device, since a kernel
+  call that waits at a barrier beside a collective of the same device can otherwise take
+  the last threads and stall the step (set ``NPROC`` before jax starts; the suite's
+  conftest does).
 * The deadlock check is a timeout, not a proof: a wait (on a semaphore or on one of the
   interpreter's barriers) that is merely slow for longer than ``deadlock_timeout_s`` fails
   too. After a failure the devices leave the barriers without all having arrived: the
@@ -94,6 +99,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import struct
 import threading
 import time
@@ -140,6 +146,51 @@ def check_jax_version(version: str | None = None) -> None:
 
 
 # ----------------------------------------------------------------- semaphore <-> int32
+
+
+# XLA's CPU runtime (jax 0.12) runs every simulated device's independent operations at
+# once on one Eigen pool, max(NPROC or the core count, device count) threads named
+# "tf_XLAEigen". A thread that reaches an all-reduce or an interpreted kernel's barrier
+# blocks until every device arrives there, and one device can block two threads at once
+# (a kernel's callbacks beside a collective of its own). With one thread per device the
+# pool can run out while another device's next operation waits in its queue: the step
+# stalls, the devices split between a kernel call and a collective. Three threads per
+# device leave every device one to progress on.
+CPU_POOL_THREAD_NAME = "tf_XLAEigen"
+CPU_POOL_THREADS_PER_DEVICE = 3
+
+
+def cpu_pool_threads() -> int | None:
+  """How many threads XLA's CPU pool has in this process (None where ``/proc`` cannot
+  tell): the threads named ``CPU_POOL_THREAD_NAME``, which the CPU client starts when it
+  is created."""
+  jax.devices("cpu")  # creates the client, and its pool
+  try:
+    tasks = os.listdir("/proc/self/task")
+  except OSError:
+    return None
+  count = 0
+  for task in tasks:
+    try:
+      with open(f"/proc/self/task/{task}/comm") as comm:
+        count += comm.read().strip() == CPU_POOL_THREAD_NAME
+    except OSError:
+      continue  # the thread ended
+  return count
+
+
+def cpu_pool_problem(threads: int | None, devices: int) -> str | None:
+  """Why a CPU pool of ``threads`` cannot run ``devices`` simulated devices' split calls
+  and collectives without stalling, or None."""
+  needed = CPU_POOL_THREADS_PER_DEVICE * devices
+  if threads is None or threads >= needed:
+    return None
+  return (
+    f"XLA's CPU pool has {threads} threads for {devices} devices; interpret-mode kernels "
+    f"beside collectives need {needed} ({CPU_POOL_THREADS_PER_DEVICE} a device) or the "
+    f"step can stall. Set the environment variable NPROC={needed} (or more) before jax "
+    "starts: XLA sizes the pool from it."
+  )
 
 
 def _conversion_primitives():
@@ -804,6 +855,10 @@ def async_interpret_mode(
     raise AsyncInterpretError("async_interpret_mode blocks do not nest")
   if _TO_I32 is None:
     _TO_I32, _FROM_I32 = _conversion_primitives()
+  if jax.default_backend() == "cpu":
+    problem = cpu_pool_problem(cpu_pool_threads(), jax.device_count())
+    if problem:
+      raise AsyncInterpretError(problem)
   ipc, shared_memory = _internals()
   params = pltpu.InterpretParams(
     dma_execution_mode=dma_execution_mode,

@@ -40,6 +40,15 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 # peers; XLA's CPU runtime aborts the whole process when a rendezvous waits 40 s. Give
 # it 10 min: a real hang is still ended by pytest-timeout and by the interpreter
 # extension's deadlock watchdog (tests/async_interpret.py), with the stacks printed.
+# XLA's CPU runtime runs each device's independent operations at once on one shared pool
+# of max(NPROC or the core count, device count) threads, and a thread that reaches a
+# collective, or an interpreted kernel's barrier, blocks there until every device has
+# arrived. A device can hold two such threads at once (a kernel callback beside an
+# all-reduce), so with 8 threads for 8 devices the pool can run out while a device's next
+# step waits in its queue, and the step never finishes (seen with the threaded sharded
+# ResNet step in interpret mode). 64 threads give each of 16 simulated devices more than
+# the two it can block; tests/async_interpret.py checks the pool on entry.
+os.environ.setdefault("NPROC", "64")
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "")
   + " --xla_force_host_platform_device_count=8"

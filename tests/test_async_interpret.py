@@ -6,20 +6,26 @@ the in-flight buffer before the wait, XLA compute on it), in both DMA execution 
 the race detector on.
 """
 
+import os
 import time
 
+import async_interpret
 import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from async_interpret import (
+  CPU_POOL_THREADS_PER_DEVICE,
   SUPPORTED_JAX_VERSION,
+  AsyncInterpretError,
   DeadlockError,
   KernelFailure,
   NeverWaitedError,
   async_interpret_mode,
   check_jax_version,
+  cpu_pool_problem,
+  cpu_pool_threads,
 )
 from jax import lax
 from jax.experimental import pallas as pl
@@ -298,5 +304,26 @@ def test_version_pin():
 def test_block_refuses_other_jax(monkeypatch):
   monkeypatch.setattr(jax, "__version__", "0.13.0")
   with pytest.raises(RuntimeError, match="jax 0.13.0"):
+    with async_interpret_mode("on_wait"):
+      pass
+
+
+def test_cpu_pool_is_counted_and_large_enough_here():
+  """The suite's NPROC sizes XLA's CPU pool (tests/conftest.py), and the count reads it."""
+  assert cpu_pool_threads() == max(int(os.environ["NPROC"]), jax.device_count())
+  assert cpu_pool_problem(cpu_pool_threads(), jax.device_count()) is None
+
+
+def test_cpu_pool_problem_names_the_fix():
+  needed = CPU_POOL_THREADS_PER_DEVICE * 8
+  assert cpu_pool_problem(needed, 8) is None
+  assert cpu_pool_problem(None, 8) is None  # nothing to count with: no claim
+  problem = cpu_pool_problem(8, 8)
+  assert f"NPROC={needed}" in problem and "8 threads for 8 devices" in problem
+
+
+def test_block_refuses_a_small_cpu_pool(monkeypatch):
+  monkeypatch.setattr(async_interpret, "cpu_pool_threads", lambda: 8)
+  with pytest.raises(AsyncInterpretError, match="Set the environment variable NPROC"):
     with async_interpret_mode("on_wait"):
       pass
