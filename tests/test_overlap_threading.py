@@ -10,7 +10,8 @@
   leaf and before at least one later backward matmul, and its done after that matmul.
 * The operand that waits for the last call is one computation produced, not an input
   only laid out for the matmul; the advance points are the leaves computed from new
-  work, and each collective's calls spread evenly over the points left after its start.
+  pinned work (a matmul, a reduction), not from elementwise work alone, and each
+  collective's calls spread evenly over the points left after its start.
 * Other implementations ("xla", "auto") are ``value_and_grad`` then
   ``all_reduce_gradients``, unchanged.
 """
@@ -330,6 +331,26 @@ def test_advance_points_are_leaves_computed_from_new_work():
   assert sorted(names) == ["dot_general"] * 3 + ["reduce_sum"], names
   assert all(any(k in leaf_keys for k in eqns[p].outs) for p in points)
   assert overlap._advance_points(eqns, leaf_keys, max(points)) == []
+
+
+def test_a_leaf_computed_only_elementwise_is_no_point():
+  """A gradient that comes from elementwise work alone (``cos(s) * v`` for the loss term
+  ``sum(sin(s) * v)``) opens no window: XLA may run that work before the call the window
+  follows. The matmul weight's gradient is a point; the elementwise one is not."""
+
+  def loss(params, x, v):
+    return jnp.sum(x @ params["w"]) + jnp.sum(jnp.sin(params["s"]) * v)
+
+  params = {"w": jnp.ones((16, 8)), "s": jnp.ones((8,))}
+  x, v = jnp.ones((4, 16)), jnp.ones((8,))
+  closed = jax.make_jaxpr(jax.grad(loss))(params, x, v)
+  counter = itertools.count()
+  in_keys = [next(counter) for _ in jax.tree.leaves((params, x, v))]
+  eqns, outs = inlining.inline(closed.jaxpr, closed.consts, in_keys, counter, {})
+  grad_s, grad_w = outs  # the leaves in key order: "s", then "w"
+  produced_at = {key: position for position, item in enumerate(eqns) for key in item.outs}
+  points = overlap._advance_points(eqns, {grad_s, grad_w}, -1)
+  assert points == [produced_at[grad_w]], (points, produced_at[grad_s], produced_at[grad_w])
 
 
 def test_tail_calls_are_spaced_over_the_work_that_can_cover_them():
