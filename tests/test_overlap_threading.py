@@ -275,6 +275,60 @@ def test_the_operand_that_waits_for_the_call_is_one_computation_produced():
   assert not overlap._computed(second.ins[1], producer)
 
 
+class _PinningSplit:
+  """A stand-in for a split collective in flight: ``pin`` passes values through a barrier
+  with its buffer, as ``async_torus.pin`` does, and counts the barriers."""
+
+  def __init__(self):
+    self.buffer, self.pins = jnp.zeros((4,)), 0
+
+  def pin(self, values):
+    self.pins += 1
+    self.buffer, values = lax.optimization_barrier((self.buffer, values))
+    return values
+
+
+def test_tail_operands_wait_for_the_calls_through_a_pinned_zero():
+  """``_Tail._read`` of an operand from outside the window: the value itself, less a zero
+  that comes out of a barrier with the collectives in flight (one zero per dtype a
+  window, so XLA fuses the subtraction, and the slice that cuts a leaf out of a summed
+  bucket, into the reader); booleans ``or`` a False; a PRNG key, which admits no
+  arithmetic, passes the barrier itself; with nothing in flight, the value as is."""
+  tail = object.__new__(overlap._Tail)
+  tail.window, tail.zeros = {}, {}
+  split = _PinningSplit()
+
+  def reads(a, b, flags, key):
+    tail.env = {0: a, 1: b, 2: flags, 3: key}
+    return [tail._read(k, [split]) for k in range(4)] + [tail._read(1, [])]
+
+  args = (
+    jnp.arange(6.0).reshape(2, 3) - 2.5,
+    jnp.asarray([-0.0, jnp.nan, 7.0]),
+    jnp.asarray([True, False]),
+    jax.random.key(0),
+  )
+  jaxpr = jax.make_jaxpr(reads)(*args)
+  barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+  # float32 and bool: one zero each; the key itself
+  assert len(barriers) == split.pins == 3
+  passed = [v.aval for e in barriers for v in e.invars[1:]]
+  assert sorted((a.shape, str(a.dtype)) for a in passed) == [
+    ((), "bool"),
+    ((), "float32"),
+    ((), "key<fry>"),
+  ], passed
+  assert [e.primitive.name for e in jaxpr.eqns].count("sub") == 2
+  assert [e.primitive.name for e in jaxpr.eqns].count("or") == 1
+  a, b, flags, key, b_as_is = jax.jit(reads)(*args)
+  np.testing.assert_array_equal(a, args[0])
+  np.testing.assert_array_equal(b, args[1])  # NaN stays NaN
+  assert np.signbit(b[0])  # -0 stays -0
+  np.testing.assert_array_equal(flags, args[2])
+  np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(args[3]))
+  np.testing.assert_array_equal(b_as_is, args[1])
+
+
 class _CountingSplit:
   """A stand-in for a split collective: how many calls it has left, and at which advance
   point each one was issued."""

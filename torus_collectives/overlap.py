@@ -95,17 +95,18 @@ Assumptions and limits:
   threaded form; otherwise ``all_reduce_gradients(implementation="auto")``.
 * Only the default transport (the leaves' own dtype); ``transport_dtype`` and error
   feedback go through ``all_reduce_gradients``.
-* The pins still cost some compute. By the compiler's estimate, ResNet-50 on v5e:2x4
-  (batch 32 per replica, update threaded) computes for 21.56 ms threaded against 20.74 ms
-  blocking (``bench.overlap_report --model resnet50 --batch 32 --grad-overlap on`` and
-  ``off``), and its step estimate is 21.64 against 22.19 ms. Of the 0.82 ms: slices of
-  the stream parts that XLA does not fuse into the update (0.18 ms), cutting each packed
-  bucket into its streams' parts (0.15 ms), and the rest (about 0.5 ms) reduction, pad
-  and convolution fusions that XLA forms differently around the barriers (the batch
-  norms' reductions in 164 fusions against 109). Earlier forms cost more: replaying each
-  heavy operand's elementwise ancestry on pinned inputs computed for 22.67 ms, and the
-  zero subtracted from the smallest operand whatever it was, 22.08 ms (the images, less
-  a zero, were laid out anew for the first layer's weight gradient: a 0.43 ms copy).
+* The pins still cost some compute. By the compiler's estimate, ResNet-50 on v5e:16x16
+  (batch 32 per replica, update threaded) computes for 21.57 ms threaded against 20.74 ms
+  blocking (``bench.overlap_report --topology v5e:16x16 --model resnet50 --batch 32
+  --grad-overlap on`` and ``off``), and its step estimate is 21.81 against 22.06 ms. Of
+  the 0.83 ms: the batch norms' backward reductions, which the blocking step fuses into
+  the convolutions and which run apart from them here (about 0.28 ms), slices of the
+  summed parts that the update still writes out (0.21 ms), concatenations with padding
+  (0.16 ms) and cutting each packed bucket into its streams' parts (0.15 ms). Earlier
+  forms cost more (v5e:2x4): replaying each heavy operand's elementwise ancestry on
+  pinned inputs computed for 22.67 ms against 20.74, and the zero subtracted from the
+  smallest operand whatever it was, 22.08 ms (the images, less a zero, were laid out
+  anew for the first layer's weight gradient: a 0.43 ms copy).
 * The tail's windows are its outputs' update chains, one or more a window; a large
   leaf's update is never split. ResNet-50's is a few large kernel updates beside many
   small scales, so on v5e:16x16 only 25 of the 63 windows between the last bucket's 64
@@ -521,10 +522,8 @@ class _Threaded:
       return operands
     computed = [i for i in traced if _computed(item.ins[i], producer)]
     i = min(computed or traced, key=lambda k: _nbytes(operands[k]))
-    dtype = operands[i].dtype
-    (zero,) = self._pin([jnp.zeros((), dtype)])  # False for booleans, taken by ``or``
     operands = list(operands)
-    operands[i] = operands[i] | zero if dtype == jnp.bool_ else operands[i] - zero
+    operands[i] = _plus_zero(operands[i], self._pin([jnp.zeros((), operands[i].dtype)])[0])
     return operands
 
   def _finish_in_turn(self) -> None:
@@ -548,6 +547,13 @@ class _Threaded:
       if split.calls_left and calls - split.calls_left < passed * calls // max(len(points), 1):
         with self._scope(split):
           split.advance()
+
+
+def _plus_zero(value, zero):
+  """``value`` less ``zero`` (or with it for booleans): ``value`` exactly, for every
+  float (``-0`` and NaN included) and integer, but computed from ``zero``, which comes out
+  of a barrier, so XLA cannot run its reader before that barrier's calls."""
+  return value | zero if value.dtype == jnp.bool_ else value - zero
 
 
 def _buckets_of(indices: list[int], leaves, bucket_bytes) -> list[list[int]]:
@@ -650,6 +656,7 @@ class _Tail:
     self.spacing = _call_spacing(work, needs, calls_left, hop_bytes)
     self.since = [0.0] * len(calls_left)  # of it, since each collective's last call
     self.window: dict[Any, Any] = {}  # keys computed or pinned in the current window
+    self.zeros: dict[Any, jax.Array] = {}  # the window's pinned zero of each dtype
     self.window_outputs: list[jax.Array] = []
 
   def run(self):
@@ -702,13 +709,24 @@ class _Tail:
     self.window.update(zip(item.outs, results))
 
   def _read(self, atom, flying):
-    """An operand: as computed in this window, else through a barrier with the
-    collectives ``flying`` (once a window), or as is when none is."""
+    """An operand: as computed in this window, else after the calls of the collectives
+    ``flying`` issued so far (once a window), or as is when none is. After them as
+    ``_after_last_call`` does it: less a zero that comes out of a barrier with them (one
+    zero per dtype a window), which XLA fuses into the reader, together with the slice
+    that cuts a leaf out of a bucket's sum; the operand itself through the barrier would
+    have XLA write every such slice out first. Values that admit no arithmetic (PRNG
+    keys) pass the barrier themselves."""
     if not isinstance(atom, int):
       return atom.value
     if atom in self.window or not flying:
       return self.env[atom]
-    (self.window[atom],) = _pin_to(flying, [self.env[atom]])
+    value = self.env[atom]
+    if not isinstance(value, jax.Array) or jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended):
+      (self.window[atom],) = _pin_to(flying, [value])
+      return self.window[atom]
+    if value.dtype not in self.zeros:
+      (self.zeros[value.dtype],) = _pin_to(flying, [jnp.zeros((), value.dtype)])
+    self.window[atom] = _plus_zero(value, self.zeros[value.dtype])
     return self.window[atom]
 
   def _collect_finished(self) -> None:
@@ -734,6 +752,7 @@ class _Tail:
     if self.window_outputs:  # the next calls wait for the window's work
       _pin_to(splits, self.window_outputs)
     self.window.clear()
+    self.zeros.clear()
     self.window_outputs = []
     for c, split in zip(due, splits):
       self.since[c] = 0.0
