@@ -35,11 +35,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="torus-collectives-jax-cache-")
   atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-# In TPU interpret mode each simulated device runs its kernels in Python, the eight of them
-# sharing two cores and the GIL, so a device can reach a collective minutes after its
-# peers; XLA's CPU runtime aborts the whole process when a rendezvous waits 40 s. Give
-# it 10 min: a real hang is still ended by pytest-timeout and by the interpreter
-# extension's deadlock watchdog (tests/async_interpret.py), with the stacks printed.
 # XLA's CPU runtime runs each device's independent operations at once on one shared pool
 # of max(NPROC or the core count, device count) threads, and a thread that reaches a
 # collective, or an interpreted kernel's barrier, blocks there until every device has
@@ -49,6 +44,11 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 # ResNet step in interpret mode). 64 threads give each of 16 simulated devices more than
 # the two it can block; tests/async_interpret.py checks the pool on entry.
 os.environ.setdefault("NPROC", "64")
+# In TPU interpret mode each simulated device runs its kernels in Python, the eight of them
+# sharing two cores and the GIL, so a device can reach a collective minutes after its
+# peers; XLA's CPU runtime aborts the whole process when a rendezvous waits 40 s. Give
+# it 10 min: a real hang is still ended by pytest-timeout and by the interpreter
+# extension's deadlock watchdog (tests/async_interpret.py), with the stacks printed.
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "")
   + " --xla_force_host_platform_device_count=8"

@@ -24,29 +24,29 @@ its DMAs are on the link):
    ``async_torus.pin``), which are data dependencies XLA cannot reorder:
 
    * *operand side*: each *pinned* equation (``PINNED``: a convolution or a matmul,
-     ``HEAVY``, or a reduction such as a batch norm's sums) reads one operand less a
-     zero that comes out of the barrier (``_after_last_call``), so it runs after the last
-     call issued. Not the operand itself through the barrier: that
-     would stop XLA fusing the operand's elementwise producers (the batch norm's scale,
-     the ReLU mask, a pad) into the convolution, where the subtraction fuses with them.
-     The operand is one that computation produced, not an input only laid out for the
-     convolution (the images, a flipped weight): those XLA lays out once for the
-     forward and backward passes together.
+     ``HEAVY``, or a reduction such as a batch norm's sums) reads one operand less a zero
+     that comes out of the barrier (``_after_last_call``), so it runs after the last call
+     issued. Not the operand itself through the barrier: that would stop XLA fusing the
+     operand's elementwise producers (the batch norm's scale, the ReLU mask, a pad) into
+     the convolution, where the subtraction fuses with them. The operand is one that
+     computation produced, not an input only laid out for the convolution (the images, a
+     flipped weight): those XLA lays out once for the forward and backward passes
+     together.
    * *result side*: the *advance points* (``_advance_points``) are the equations that
      compute a gradient leaf from a pinned equation evaluated since the previous point (a
      weight gradient's convolution, a batch norm's scale and offset gradients): about
      three a layer. So every window holds work that cannot run before its first call:
-     counting a leaf computed only from elementwise work as a point left windows that
-     XLA had emptied by running that work earlier (ResNet-50 on v5e:16x16, batch 32:
-     0.44 ms exposed against 0.18 ms, compiler estimate). At each, the leaf passes a
-     barrier with the collectives in flight, so the next call
-     waits for the window's work (the backward pass reads the leaf as computed: a batch
-     norm's sums feed its input gradient, which the barrier would cut off from them), and
-     each in-flight collective issues its next call if it is due: a collective with
-     ``C`` calls left when it starts, ``T`` points before the end, issues ``j * C // T``
-     by its ``j``-th point. So its calls spread evenly over the windows left, one a
-     window at most (two calls in one window would leave the first one's hop nothing
-     to overlap), and the last is issued at the last point.
+     counting a leaf computed only from elementwise work as a point left windows that XLA
+     had emptied by running that work earlier (ResNet-50 on v5e:16x16, batch 32: 0.44 ms
+     exposed against 0.18 ms, compiler estimate). At each, the leaf passes a barrier with
+     the collectives in flight, so the next call waits for the window's work (the backward
+     pass reads the leaf as computed: a batch norm's sums feed its input gradient, which
+     the barrier would cut off from them), and each in-flight collective issues its next
+     call if it is due: a collective with ``C`` calls left when it starts, ``T`` points
+     before the end, issues ``j * C // T`` by its ``j``-th point. So its calls spread
+     evenly over the windows left, one a window at most (two calls in one window would
+     leave the first one's hop nothing to overlap), and the last is issued at the last
+     point.
 
    Equations that communicate (lax collectives such as the batch norms' sums, the
    package's primitives, Pallas kernels) are pinned on both sides without advancing,
