@@ -101,7 +101,9 @@ class ParamsLayout:
   ``config.grad_overlap`` too, ``value_and_apply(loss_fn)`` is the whole step on the
   shards (``tx.value_and_apply``: the gathers threaded through the forward pass, the
   reduce-scatters through the backward pass), returning the loss and its aux, the new
-  shards, the optimizer state and the mean gradient's norm.
+  shards, the optimizer state and the mean gradient's norm. ``validation`` refuses that
+  combination in a config for now (with the split kernels it stalls on the ResNet in TPU
+  interpret mode); the layout still builds it for callers that pass their own config.
   """
 
   spec: P = P()

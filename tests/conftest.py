@@ -40,8 +40,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 # collective, or an interpreted kernel's barrier, blocks there until every device has
 # arrived. A device can hold two such threads at once (a kernel callback beside an
 # all-reduce), so with 8 threads for 8 devices the pool can run out while a device's next
-# step waits in its queue, and the step never finishes (seen with the threaded sharded
-# ResNet step in interpret mode). 64 threads give each of 16 simulated devices more than
+# step waits in its queue, and the step never finishes (seen on every run of the threaded
+# sharded ResNet step in interpret mode). 64 threads give each of 16 simulated devices more than
 # the two it can block; tests/async_interpret.py checks the pool on entry.
 os.environ.setdefault("NPROC", "64")
 # In TPU interpret mode each simulated device runs its kernels in Python, the eight of them

@@ -5,9 +5,12 @@ Two train steps of a tiny ResNet on a 2x4 mesh with small buckets (several in fl
 with the split Pallas kernels, in TPU interpret mode through the split-call extension
 (race detector on), the weights, batch statistics and metrics equal those of the plain
 step (``value_and_grad``, then ``all_reduce_gradients``) within float32 rounding (the two
-sum in different orders); with "xla", bitwise. The same holds with weight-update sharding
-and the deferred gather, for the layout's threaded sharded step (``tx.value_and_apply``)
-against the plain sharded step. Validation refuses the option where it cannot apply.
+sum in different orders); with "xla", bitwise. With weight-update sharding and the
+deferred gather, the layout's threaded sharded step (``tx.value_and_apply``) on "xla" is
+the plain sharded step bitwise; with the split kernels it stalls on this model in TPU
+interpret mode (one device never enters the next kernel call while the others wait in
+it), so validation refuses that combination, as it refuses the option wherever it cannot
+apply.
 """
 
 import jax
@@ -104,21 +107,6 @@ def _without_grad_norm(steps):
 
 
 @pytest.mark.slow
-@pytest.mark.interpret
-@pytest.mark.timeout(600, method="thread")
-def test_threaded_sharded_pallas_step_matches_the_plain_sharded_step():
-  """Weight-update sharding threaded through the step (``tx.value_and_apply``) against
-  gather, ``value_and_grad`` and ``apply_gradients`` on lax. Its ``grad_norm`` is the
-  mean gradient's norm, the plain sharded step's the replicas' RMS norm, its upper bound."""
-  with async_interpret_mode("on_wait", deadlock_timeout_s=120.0):
-    threaded = _two_steps("pallas", overlap=True, sharded=True)
-  plain = _two_steps("xla", overlap=False, sharded=True)
-  _compare(_without_grad_norm(threaded), _without_grad_norm(plain), rtol=1e-5, atol=1e-6)
-  for ours, rms in zip(threaded[1], plain[1]):
-    assert 0 < ours["grad_norm"] <= rms["grad_norm"]
-
-
-@pytest.mark.slow
 def test_threaded_sharded_step_on_xla_is_the_plain_sharded_step_bitwise():
   ours, plain = _two_steps("xla", True, sharded=True), _two_steps("xla", False, sharded=True)
   _compare(_without_grad_norm(ours), _without_grad_norm(plain))
@@ -132,7 +120,11 @@ def test_threading_on_xla_is_the_plain_step_bitwise():
 @pytest.mark.parametrize(
   "changes, message",
   [
-    ({"weight_update_sharding": True}, "needs config.defer_weight_gather=True"),
+    ({"weight_update_sharding": True}, "with config.weight_update_sharding=True is not offered"),
+    (
+      {"weight_update_sharding": True, "defer_weight_gather": True},
+      "with config.weight_update_sharding=True is not offered",
+    ),
     ({"grad_transport_dtype": "bfloat16"}, "sums the gradients in their own dtype"),
   ],
 )

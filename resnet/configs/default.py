@@ -83,12 +83,11 @@ def get_config() -> ml_collections.ConfigDict:
   # grad_implementation its split kernels run between the later backward convolutions
   # (verified in TPU interpret mode and in compiled programs, not measured on a TPU); any
   # other implementation runs value_and_grad, then all_reduce_gradients, as without it.
-  # With weight_update_sharding it needs defer_weight_gather, and then threads the whole
-  # sharded step instead (tx.value_and_apply): the weight gathers through the forward
-  # pass, the reduce-scatters through the backward pass. Needs grad_transport_dtype=''.
-  # Off by default: the barriers that pin the backward convolutions into the windows cost
-  # fusion, and by the compiler's estimate (bench.overlap_report --grad-overlap on) the
-  # step is slower.
+  # Needs grad_transport_dtype='' and weight_update_sharding=False (the threaded sharded
+  # step, tx.value_and_apply, stalls on this model in TPU interpret mode: unverified, so
+  # refused). Off by default: the barriers that pin the backward convolutions into the
+  # windows cost fusion, and by the compiler's estimate (bench.overlap_report
+  # --grad-overlap on) the step is slower.
   c.grad_overlap = False
   # Time the gradient summation and batch norms of this model on this mesh before training
   # (resnet/pretune.py); 'auto' runs a torus implementation once it beat XLA with confidence
