@@ -712,10 +712,11 @@ class _Tail:
     """An operand: as computed in this window, else after the calls of the collectives
     ``flying`` issued so far (once a window), or as is when none is. After them as
     ``_after_last_call`` does it: less a zero that comes out of a barrier with them (one
-    zero per dtype a window), which XLA fuses into the reader, together with the slice
-    that cuts a leaf out of a bucket's sum; the operand itself through the barrier would
-    have XLA write every such slice out first. Values that admit no arithmetic (PRNG
-    keys) pass the barrier themselves."""
+    zero per dtype a window), which XLA fuses into the reader, with the slices that cut
+    the leaves out of the buckets' sums; with the operands themselves through the barrier
+    XLA wrote more of those slices out (ResNet-50 on v5e:16x16, batch 32: 0.24 ms more
+    compute, compiler estimate). Values that admit no arithmetic (PRNG keys) pass the
+    barrier themselves."""
     if not isinstance(atom, int):
       return atom.value
     if atom in self.window or not flying:
