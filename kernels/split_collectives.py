@@ -172,7 +172,6 @@ class SplitCollective:
     self._live = _live_axes(axes)
     parts = self._cut(x, len(phases))
     self._streams = [_Stream(part, p, self.mesh_axes) for part, p in zip(parts, phases)]
-    self.stream_bytes = parts[0].size * parts[0].dtype.itemsize  # one stream's input
     self._input = x
 
   def _cut(self, x: jax.Array, streams: int) -> list[jax.Array]:

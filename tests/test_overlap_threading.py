@@ -16,9 +16,11 @@
   ``all_reduce_gradients``, unchanged.
 """
 
+import functools
 import itertools
 import math
 import re
+import types
 
 import harness
 import jax
@@ -289,33 +291,40 @@ class _PinningSplit:
 
 
 def test_tail_operands_wait_for_the_calls_through_a_pinned_zero():
-  """``_Tail._read`` of an operand from outside the window: the value itself, less a zero
-  that comes out of a barrier with the collectives in flight (one zero per dtype a
-  window, so XLA fuses the subtraction, and the slice that cuts a leaf out of a summed
-  bucket, into the reader); booleans ``or`` a False; a PRNG key, which admits no
-  arithmetic, passes the barrier itself; with nothing in flight, the value as is."""
+  """``_Tail._read`` of a tail input from outside the window (a parameter, an optimizer
+  state): the value itself, less the opaque zero (``_opaque_zero``, here a traced int32
+  argument) out of a barrier with the collectives in flight (one barrier a window, so XLA
+  fuses the subtraction into the reader); booleans ``or`` it; a PRNG key, which admits no
+  arithmetic, passes the barrier itself; with nothing in flight, the value as is. A
+  bucket's sum and what an earlier window computed are read as they are."""
   tail = object.__new__(overlap._Tail)
-  tail.window, tail.zeros = {}, {}
+  tail.window, tail.zero = {}, None
+  tail.sums, tail.producer = {4}, {5: 0}  # key 4: a bucket's sum; 5: computed by the tail
   split = _PinningSplit()
 
-  def reads(a, b, flags, key):
-    tail.env = {0: a, 1: b, 2: flags, 3: key}
-    return [tail._read(k, [split]) for k in range(4)] + [tail._read(1, [])]
+  def reads(a, b, flags, key, zero):
+    tail.env, tail.threaded = {0: a, 1: b, 2: flags, 3: key}, types.SimpleNamespace(zero=zero)
+    tail.env.update({4: a, 5: b})
+    tail.zero = None
+    read = [tail._read(k, [split]) for k in range(6)]
+    # a sum comes out of its done call, a tail value out of an earlier window: as they are
+    assert read[4] is a and read[5] is b
+    return read[:4] + [tail._read(1, [])]
 
   args = (
     jnp.arange(6.0).reshape(2, 3) - 2.5,
     jnp.asarray([-0.0, jnp.nan, 7.0]),
     jnp.asarray([True, False]),
     jax.random.key(0),
+    jnp.int32(0),
   )
   jaxpr = jax.make_jaxpr(reads)(*args)
   barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
-  # float32 and bool: one zero each; the key itself
-  assert len(barriers) == split.pins == 3
+  # the window's one zero, for every dtype; the key itself
+  assert len(barriers) == split.pins == 2
   passed = [v.aval for e in barriers for v in e.invars[1:]]
   assert sorted((a.shape, str(a.dtype)) for a in passed) == [
-    ((), "bool"),
-    ((), "float32"),
+    ((), "int32"),
     ((), "key<fry>"),
   ], passed
   assert [e.primitive.name for e in jaxpr.eqns].count("sub") == 2
@@ -407,17 +416,65 @@ def test_a_leaf_computed_only_elementwise_is_no_point():
   assert points == [produced_at[grad_w]], (points, produced_at[grad_s], produced_at[grad_w])
 
 
+def test_the_tail_is_cut_into_reductions_then_updates_with_their_riders():
+  """``_units`` of a trust-ratio update of two leaves (each: two norms, then the momentum
+  and the parameter from them), returning the parameters then the momenta: each leaf's
+  norms are one unit, then its parameter with its momentum, which the parameter's update
+  computes whole and so rides in its unit; the work of a norms unit is the bytes its
+  reductions read, of an update unit the bytes it returns."""
+
+  def update(grads, params, momenta):
+    new_params, new_momenta = [], []
+    for g, p, m in zip(grads, params, momenta):
+      trust = jnp.linalg.norm(p) / jnp.linalg.norm(g + 1e-4 * p)
+      m = 0.9 * m + trust * g
+      new_params.append(p - 0.1 * m)
+      new_momenta.append(m)
+    return new_params, new_momenta
+
+  leaves = [jnp.ones((3, 4)), jnp.ones((5,))]
+  closed = jax.make_jaxpr(update)(leaves, leaves, leaves)
+  counter = itertools.count()
+  in_keys = [next(counter) for _ in range(6)]
+  eqns, outs = inlining.inline(closed.jaxpr, closed.consts, in_keys, counter, {})
+  producer = {key: i for i, item in enumerate(eqns) for key in item.outs}
+  units = overlap._units(eqns, outs, producer)
+  p0, p1, m0, m1 = outs
+  kinds = [[eqns[producer[k]].eqn.primitive.name for k in unit] for unit in units]
+  assert kinds[0] == kinds[2] == ["reduce_sum", "reduce_sum"], kinds
+  assert [units[1], units[3]] == [(p0, m0), (p1, m1)], units
+  cones = {u: sorted({i for k in u for i in overlap._cone(k, eqns, producer)}) for u in units}
+  work = overlap._unit_work(eqns, units, cones, producer)
+  assert [work[u] for u in units] == [2 * 48.0, 2 * 48.0, 2 * 20.0, 2 * 20.0]
+
+
 def test_tail_calls_are_spaced_over_the_work_that_can_cover_them():
-  """Collective 0 (1 call left) finishes first: every output needs its sum or the
-  other's, so nothing covers its call (spacing 0: a call after every output). Collective
-  1 (2 calls left) is covered by the work that needs only collective 0's sum (300, 100
-  and 20: the 50 and the 7 read collective 1's, the 0 is work another output did), a
-  window at least the 2nd largest; with more calls than such work, the smallest, but at
-  least a hop's bytes unless that passes their mean per call (420 / 10). No calls left:
-  never due."""
+  """Collective 0 (1 call left) finishes first: every unit needs its sum or the other's,
+  so nothing covers its call (spacing 1: a call after every unit with work). Collective 1
+  is covered by the work that needs only collective 0's sum, in order 300, 100, 20 (the
+  50 and the 7 read collective 1's, the 0 is work another unit did): for 2 calls the
+  largest spacing that still closes 2 windows (300 | 100 + 20), for 3 one a unit, for
+  more calls than such work the smallest unit (one window each; the rest are issued
+  after it). No calls left: never due."""
   work, needs = [300, 100, 50, 20, 0, 7], [{0}, {0}, {0, 1}, {0}, {0}, {1}]
-  assert overlap._call_spacing(work, needs, [1, 2], [1, 1]) == [0.0, 100.0]
-  assert overlap._call_spacing(work, needs, [1, 9], [1, 1]) == [0.0, 20.0]
-  assert overlap._call_spacing(work, needs, [1, 9], [1, 30]) == [0.0, 30.0]
-  assert overlap._call_spacing(work, needs, [1, 9], [1, 90]) == [0.0, 42.0]
-  assert overlap._call_spacing(work, needs, [0, 2], [1, 1]) == [math.inf, 100.0]
+  spacing = overlap._call_spacing(work, needs, [1, 2])
+  assert spacing == [1.0, pytest.approx(120.0)]
+  assert overlap._call_spacing(work, needs, [1, 3]) == [1.0, pytest.approx(20.0)]
+  assert overlap._call_spacing(work, needs, [1, 9]) == [1.0, 20]
+  assert overlap._call_spacing(work, needs, [0, 2]) == [math.inf, pytest.approx(120.0)]
+
+
+def test_a_fitted_spacing_closes_a_window_for_every_call():
+  """``_fitted_spacing``: lumpy work in order, cut greedily (a window closes once its work
+  reaches the spacing) into at least as many windows as calls, with the largest spacing
+  that does. The cut, by hand: at 3, 5 | 1+1+1 | 5 | 1+1+1 (4 windows); at 2, 5 | 1+1 |
+  1+5 | 1+1 and a 1 left over (4); at 8, 5+1+1+1 | 5+1+1+1 (2)."""
+  work = [5, 1, 1, 1, 5, 1, 1, 1]
+  closed = functools.partial(overlap._windows_closed, work)
+  assert [closed(3), closed(2), closed(8), closed(1), closed(17)] == [4, 4, 2, 8, 0]
+  for calls, expected in [(1, 16), (2, 8), (4, 3), (5, 1), (8, 1), (12, 1)]:
+    spacing = overlap._fitted_spacing(work, calls)
+    assert spacing == pytest.approx(expected), calls
+    assert closed(spacing) >= min(calls, len(work))
+    assert calls > len(work) or closed(spacing * 1.01) < calls
+  assert overlap._fitted_spacing([], 3) == 1.0

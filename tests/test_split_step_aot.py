@@ -79,3 +79,39 @@ def test_every_bucket_but_the_last_overlaps_a_backward_convolution(generation):
     assert any(chain[0] < i < chain[-1] for i in backward), (chain, backward)
   last = in_start_order[(buckets - 1) * streams :]
   assert not any(chain[0] < i < chain[-1] for chain in last for i in backward), (last, backward)
+
+
+def test_a_pinned_zero_is_not_folded_into_a_constant():
+  """The threading's operand pins (``overlap._plus_zero``) subtract a zero that comes out
+  of a barrier with the calls in flight. XLA forwards a constant through an
+  ``optimization_barrier`` before it schedules, which would leave the reader unpinned; the
+  opaque zero (``overlap._opaque_zero``) is no constant, so in the v5e program the
+  subtraction reads it, not a constant, and runs after the barrier's matmul."""
+  pytest.importorskip("libtpu", reason=aot_skip.REASON)
+  from bench import aot_report, hlo_schedule
+  from torus_collectives import overlap
+
+  mesh = aot_report.topology_mesh("v5e:2x2")
+  axes = mesh.axis_names
+
+  def body(a, x):
+    product = a @ a
+    product, zero = jax.lax.optimization_barrier((product, overlap._opaque_zero(axes)))
+    return product @ a, overlap._plus_zero(x, zero)
+
+  square = jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=NamedSharding(mesh, P()))
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P())))
+  text = fn.lower(square, square).compile().as_text()
+  ops = hlo_schedule.entry_ops(text)
+  entry = text[text.index("ENTRY") :]
+  definitions = dict(
+    line.strip().lstrip("%").split(" = ", 1) for line in entry.splitlines() if " = " in line
+  )
+  subtract = [i for i, op in enumerate(ops) if op.op_name.endswith("/sub")]
+  matmuls = [i for i, op in enumerate(ops) if op.op_name.endswith("/dot_general")]
+  assert len(subtract) == 1 and len(matmuls) == 2, [op.name for op in ops]
+  reader = definitions[ops[subtract[0]].name]
+  operands = reader.split("fusion(")[1].split(")")[0].split(", ")
+  defined = [definitions.get(o.lstrip("%"), "") for o in operands]
+  assert not [d for d in defined if " constant(" in d], reader
+  assert subtract[0] > matmuls[0]

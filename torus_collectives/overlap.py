@@ -28,10 +28,12 @@ its DMAs are on the link):
      that comes out of the barrier (``_after_last_call``), so it runs after the last call
      issued. Not the operand itself through the barrier: that would stop XLA fusing the
      operand's elementwise producers (the batch norm's scale, the ReLU mask, a pad) into
-     the convolution, where the subtraction fuses with them. The operand is one that
-     computation produced, not an input only laid out for the convolution (the images, a
-     flipped weight): those XLA lays out once for the forward and backward passes
-     together.
+     the convolution, where the subtraction fuses with them. Nor a constant zero: XLA
+     forwards a constant through a barrier before it schedules, and the pin is gone; the
+     zero is ``min(axis index, 0)`` (``_opaque_zero``), which it cannot fold. The operand
+     is one that computation produced, not an input only laid out for the convolution
+     (the images, a flipped weight): those XLA lays out once for the forward and backward
+     passes together.
    * *result side*: the *advance points* (``_advance_points``) are the equations that
      compute a gradient leaf from a pinned equation evaluated since the previous point (a
      weight gradient's convolution, a batch norm's scale and offset gradients): about
@@ -59,14 +61,16 @@ its DMAs are on the link):
    leaves' dtypes. Without ``update``, the collectives still in flight first issue the
    calls they have left, one call of each in turn (so that their hops overlap one
    another's). With ``update`` (the optimizer's step), the unpacking and ``update`` are
-   traced as one program, the *tail*, and evaluated equation by equation while those
-   calls are issued (``_Tail``): whatever reads only finished buckets' sums runs between
-   the calls of the buckets still in flight (every operand read through a barrier with
-   them), each collective's calls spaced over the tail's work that can run before it is
-   done (``_call_spacing``). The last bucket (the first layers' gradients, which start
-   after the last backward convolution) so overlaps the update of every other layer
-   instead of nothing. An ``update`` that reads every leaf at once
-   (a global norm clip) has nothing ready early and runs after the last call, as without.
+   traced as one program, the *tail*, and evaluated unit by unit while those calls are
+   issued (``_Tail``): whatever reads only finished buckets' sums runs between the calls
+   of the buckets still in flight (its reads of parameters and optimizer state pinned
+   after them), a large leaf's norms and its update in separate windows (``_units``), and
+   each collective's calls spaced over the tail's work that can run before it is done, at
+   the largest spacing that still gives every call a window (``_call_spacing``). The last
+   buckets (the first layers' gradients, which start near the end of the backward pass)
+   so overlap the update of every other layer instead of nothing. An ``update`` that
+   reads every leaf at once (a global norm clip) has nothing ready early and runs after
+   the last call, as without.
 
 The same machinery threads weight-update sharding through a whole step
 (``weight_update.threaded``): a ``Summation`` says how a bucket is packed and which split
@@ -96,26 +100,27 @@ Assumptions and limits:
 * Only the default transport (the leaves' own dtype); ``transport_dtype`` and error
   feedback go through ``all_reduce_gradients``.
 * The pins still cost some compute. By the compiler's estimate, ResNet-50 on v5e:16x16
-  (batch 32 per replica, update threaded) computes for 21.57 ms threaded against 20.74 ms
+  (batch 32 per replica, update threaded) computes for 21.56 ms threaded against 20.74 ms
   blocking (``bench.overlap_report --topology v5e:16x16 --model resnet50 --batch 32
-  --grad-overlap on`` and ``off``), and its step estimate is 21.81 against 22.06 ms. Of
-  the 0.83 ms: the batch norms' backward reductions, which the blocking step fuses into
-  the convolutions and which run apart from them here (about 0.28 ms), slices of the
-  summed parts that the update still writes out (0.21 ms), concatenations with padding
-  (0.16 ms) and cutting each packed bucket into its streams' parts (0.15 ms). Earlier
-  forms cost more (v5e:2x4): replaying each heavy operand's elementwise ancestry on
-  pinned inputs computed for 22.67 ms against 20.74, and the zero subtracted from the
-  smallest operand whatever it was, 22.08 ms (the images, less a zero, were laid out
-  anew for the first layer's weight gradient: a 0.43 ms copy).
-* The tail's windows are its outputs' update chains, one or more a window; a large
-  leaf's update is never split. ResNet-50's is a few large kernel updates beside many
-  small scales, so on v5e:16x16 only 25 of the 63 windows between the last bucket's 64
-  calls hold any compute.
+  --grad-overlap on`` and ``off``), and its step estimate is 21.65 against 22.06 ms, with
+  0.032 ms exposed. Of the 0.82 ms, by op category: the batch norms' backward reductions,
+  which the blocking step fuses into the convolutions and which run apart from them here
+  (about 0.27 ms), slices of the summed parts that the update writes out (0.24 ms),
+  concatenations (0.17 ms: leaves cut from two stream parts), cutting each packed
+  bucket into its streams' parts (0.16 ms) and elementwise work (0.12 ms), less 0.18 ms
+  in the update's norms. Earlier forms cost more (v5e:2x4):
+  replaying each heavy operand's elementwise ancestry on pinned inputs computed for 22.67
+  ms against 20.74, and the zero subtracted from the smallest operand whatever it was,
+  22.08 ms (the images, less a zero, were laid out anew for the first layer's weight
+  gradient: a 0.43 ms copy).
+* The tail's windows are its units, one or more a window; a leaf's update pass is never
+  split. ResNet-50's is a few large kernel updates beside many small scales; spaced
+  evenly in bytes (``_call_spacing``), every call of the last buckets gets a window with
+  work, but a short window still exposes part of a long hop.
 * The windows are counted, not timed: a hop longer than its window is partly exposed.
   Every bucket has the same number of calls whatever its size (two phases of ``n - 1``
   hops per axis), so one started with fewer points left than calls issues the rest
-  back to back at the end, and one that starts after the last convolution (the first
-  layers' gradients) is wholly exposed.
+  back to back at the end, unless the tail's work takes them.
 * Heavy equations inside a loop (``scan``, ``while``) or a ``cond`` are one equation here:
   a scanned model's backward pass gives one window, not one per layer.
 * Every device must issue the calls in one order: one program under ``shard_map`` does;
@@ -157,7 +162,8 @@ HEAVY = frozenset({"conv_general_dilated", "dot_general"})
 # reductions (a batch norm's sums in the backward pass), each of which reads a whole
 # activation, work enough to cover a hop, and which XLA would otherwise run as early as
 # it may. The advance points are the leaves computed from them.
-PINNED = HEAVY | {"reduce_sum", "reduce_max", "reduce_min"}
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
+PINNED = HEAVY | REDUCTIONS
 # Equations that move no data of their own (XLA makes them bitcasts or fuses them).
 LAYOUT = frozenset(
   "reshape squeeze expand_dims broadcast_in_dim convert_element_type transpose copy copy_p".split()
@@ -309,6 +315,7 @@ class _Threaded:
     self.last_communicated: list[jax.Array] = []  # results of the last such equation
     self.points: list[int] = []  # the advance points (``_advance_points``)
     self.pacing: dict[int, tuple[int, list[int]]] = {}  # split -> (calls left, its points)
+    self.zero: jax.Array | None = None  # what pinned zeros come from (``_opaque_zero``)
 
   @contextlib.contextmanager
   def _scope(self, split):
@@ -331,6 +338,7 @@ class _Threaded:
     constants: dict[int, Any] = {}
     in_keys = [next(counter) for _ in flat_args]
     eqns, outs = inlining.inline(closed.jaxpr, closed.consts, in_keys, counter, constants)
+    self.zero = _opaque_zero(self.names)
     self.heavy = [i for i, item in enumerate(eqns) if item.eqn.primitive.name in HEAVY]
     gathered = self._start_gathers(eqns, in_keys)  # input key -> (leaf number, bucket)
     env: dict[Any, Any] = {
@@ -523,7 +531,7 @@ class _Threaded:
     computed = [i for i in traced if _computed(item.ins[i], producer)]
     i = min(computed or traced, key=lambda k: _nbytes(operands[k]))
     operands = list(operands)
-    operands[i] = _plus_zero(operands[i], self._pin([jnp.zeros((), operands[i].dtype)])[0])
+    operands[i] = _plus_zero(operands[i], self._pin([self.zero])[0])
     return operands
 
   def _finish_in_turn(self) -> None:
@@ -549,11 +557,22 @@ class _Threaded:
           split.advance()
 
 
+def _opaque_zero(axis_names) -> jax.Array:
+  """An int32 zero that XLA cannot prove is one: ``min(axis index, 0)``, typed invariant
+  over ``axis_names`` (it is 0 on every device). A constant zero through a barrier does
+  not pin what reads it: XLA forwards constants through an ``optimization_barrier`` before
+  it schedules (checked on a v5e compile: the reader got the constant and the barrier no
+  longer ordered it, ``tests/test_overlap_compiled.py``)."""
+  return mark_invariant(jnp.minimum(lax.axis_index(axis_names), 0), tuple(axis_names))
+
+
 def _plus_zero(value, zero):
-  """``value`` less ``zero`` (or with it for booleans): ``value`` exactly, for every
-  float (``-0`` and NaN included) and integer, but computed from ``zero``, which comes out
-  of a barrier, so XLA cannot run its reader before that barrier's calls."""
-  return value | zero if value.dtype == jnp.bool_ else value - zero
+  """``value`` less ``zero`` (an int32 zero, ``_opaque_zero``, out of a barrier; or with it
+  for booleans): ``value`` exactly, for every float (``-0`` and NaN included) and integer,
+  but computed from ``zero``, so XLA cannot run its reader before that barrier's calls."""
+  if value.dtype == jnp.bool_:
+    return value | zero.astype(jnp.bool_)
+  return value - zero.astype(value.dtype)
 
 
 def _buckets_of(indices: list[int], leaves, bucket_bytes) -> list[list[int]]:
@@ -609,17 +628,19 @@ class _Tail:
   order), traced and evaluated while the buckets still in flight issue their calls
   (module doc, step 5).
 
-  The tail is evaluated output by output (a parameter's new value, an optimizer state
-  leaf), in the order it returns them: an output's *cone*, the equations it needs that
-  have not run yet, is evaluated in one window, once every bucket sum it reads exists.
-  So a leaf's update chain stays in one window and fuses; only the cone's reads from
-  outside the window (the sums, the parameters and state, what earlier windows computed)
-  pass a barrier with the collectives in flight, so the cone runs after their last call.
-  Each collective in flight issues its next call once the work evaluated since its last
-  one reaches its spacing (``_call_spacing``), after a barrier with the window's outputs;
-  a new window opens whenever one does. A collective with no calls left is finished, and
-  the outputs that read its sum become ready; when a pass finds no output ready, the
-  collective with the fewest calls left issues one.
+  The tail is evaluated unit by unit (``_units``), in the order it returns its outputs: a
+  unit is an output (a parameter's new value, with the optimizer state leaves its update
+  computes whole) or the reductions in an output's cone (a trust ratio's norms), so that a
+  large leaf's update gives two windows. A unit's *cone*, the equations it needs that have
+  not run yet, is evaluated in one window, once every bucket sum it reads exists. So a
+  leaf's update chain stays in one window and fuses. The cone's reads of the tail's inputs
+  from outside the window (the parameters and the optimizer state) are pinned after the
+  collectives' last call (``_read``); the buckets' sums, out of their done calls, and what
+  earlier windows computed, are ordered already. Each collective in flight issues its next
+  call once the work evaluated since its last one reaches its spacing (``_call_spacing``),
+  after a barrier with the window's outputs; a new window opens whenever one does. A
+  collective with no calls left is finished, and the units that read its sum become ready;
+  when a pass finds no unit ready, the collective with the fewest calls left issues one.
   """
 
   def __init__(self, threaded: _Threaded, tail: Callable):
@@ -631,40 +652,45 @@ class _Tail:
     # One key per stream part; in_keys[c]: collective c's.
     self.in_keys = [[next(counter) for _ in bucket_parts] for bucket_parts in parts]
     flat_keys = [k for keys in self.in_keys for k in keys]
+    self.sums = set(flat_keys)
     self.eqns, self.outs = inlining.inline(
       closed.jaxpr, closed.consts, flat_keys, counter, constants
     )
     self.env: dict[Any, Any] = dict(constants)
     producer = {key: i for i, item in enumerate(self.eqns) for key in item.outs}
-    self.outputs = list(dict.fromkeys(a for a in self.outs if isinstance(a, int) and a in producer))
-    self.cones = {key: _cone(key, self.eqns, producer) for key in self.outputs}
+    outputs = list(dict.fromkeys(a for a in self.outs if isinstance(a, int) and a in producer))
+    self.units = _units(self.eqns, outputs, producer)
+    self.cones = {
+      unit: sorted({i for key in unit for i in _cone(key, self.eqns, producer)})
+      for unit in self.units
+    }
     self.done: set[int] = set()  # the equations evaluated
+    self.producer = producer
     which = {key: c for c, keys in enumerate(self.in_keys) for key in keys}
     needs = [
       {
         which[a]
-        for i in self.cones[key]
+        for i in self.cones[unit]
         for a in self.eqns[i].ins
         if isinstance(a, int) and a in which
       }
-      for key in self.outputs
+      for unit in self.units
     ]
-    self.work = _output_work(self.eqns, self.outputs, self.cones)
+    self.work = _unit_work(self.eqns, self.units, self.cones, producer)
     calls_left = [split.calls_left for _, split in threaded.in_flight]
-    hop_bytes = [_hop_bytes(split, threaded.sizes) for _, split in threaded.in_flight]
-    work = [self.work[k] for k in self.outputs]
-    self.spacing = _call_spacing(work, needs, calls_left, hop_bytes)
+    work = [self.work[unit] for unit in self.units]
+    self.spacing = _call_spacing(work, needs, calls_left)
     self.since = [0.0] * len(calls_left)  # of it, since each collective's last call
     self.window: dict[Any, Any] = {}  # keys computed or pinned in the current window
-    self.zeros: dict[Any, jax.Array] = {}  # the window's pinned zero of each dtype
+    self.zero: jax.Array | None = None  # the window's pinned zero (``_opaque_zero``)
     self.window_outputs: list[jax.Array] = []
 
   def run(self):
     """The tail's result, every collective finished."""
     self._collect_finished()
-    pending = self.outputs
+    pending = self.units
     while pending:
-      waiting = [key for key in pending if not self._evaluate_cone(key)]
+      waiting = [unit for unit in pending if not self._evaluate_cone(unit)]
       if len(waiting) == len(pending):  # nothing was ready: a sum they read is in flight
         self._next_window([self._next_to_finish()])
       pending = waiting
@@ -673,10 +699,11 @@ class _Tail:
     leaves = [_read(self.env, a) for a in self.outs]
     return jax.tree.unflatten(jax.tree.structure(self.shapes), leaves)
 
-  def _evaluate_cone(self, key) -> bool:
-    """Evaluates the output ``key``'s cone if every operand it reads from outside exists
-    (False if not), closing the window when it is due."""
-    cone = [i for i in self.cones[key] if i not in self.done]
+  def _evaluate_cone(self, unit) -> bool:
+    """Evaluates the cone of ``unit`` (``_units``: one output, or the reductions of one)
+    if every operand it reads from outside exists (False if not), closing the window when
+    it is due."""
+    cone = [i for i in self.cones[unit] if i not in self.done]
     inside = {k for i in cone for k in self.eqns[i].outs}
     reads = {a for i in cone for a in self.eqns[i].ins if isinstance(a, int)} - inside
     if any(a not in self.env for a in reads):
@@ -684,8 +711,8 @@ class _Tail:
     for i in cone:
       self._evaluate(self.eqns[i])
       self.done.add(i)
-    self.window_outputs.append(self.env[key])
-    self.since = [since + self.work[key] for since in self.since]
+    self.window_outputs += [self.env[key] for key in unit]
+    self.since = [since + self.work[unit] for since in self.since]
     due = [c for c, (_, split) in enumerate(self.threaded.in_flight) if self._due(c, split)]
     if due:
       self._next_window(due)
@@ -709,25 +736,26 @@ class _Tail:
     self.window.update(zip(item.outs, results))
 
   def _read(self, atom, flying):
-    """An operand: as computed in this window, else after the calls of the collectives
-    ``flying`` issued so far (once a window), or as is when none is. After them as
-    ``_after_last_call`` does it: less a zero that comes out of a barrier with them (one
-    zero per dtype a window), which XLA fuses into the reader, with the slices that cut
-    the leaves out of the buckets' sums; with the operands themselves through the barrier
-    XLA wrote more of those slices out (ResNet-50 on v5e:16x16, batch 32: 0.24 ms more
-    compute, compiler estimate). Values that admit no arithmetic (PRNG keys) pass the
-    barrier themselves."""
+    """An operand: as computed in this window, else, for a tail input (a parameter, an
+    optimizer state leaf), after the calls of the collectives ``flying`` issued so far, as
+    ``_after_last_call`` does it: less a zero that comes out of a barrier with them (one a
+    window), which XLA fuses into the reader. A bucket's sum, which comes out of its done
+    call, and what an earlier window computed, which comes out of its window, are read as
+    they are: less the zero, they were written out again wherever two fusions read them (a
+    leaf's norms and its update; ResNet-50 on v5e:16x16, batch 32: 0.19 ms more compute,
+    compiler estimate). Values that admit no arithmetic (PRNG keys) pass the barrier
+    themselves; with nothing in flight, every value is read as it is."""
     if not isinstance(atom, int):
       return atom.value
-    if atom in self.window or not flying:
+    if atom in self.window or not flying or atom in self.producer or atom in self.sums:
       return self.env[atom]
     value = self.env[atom]
     if not isinstance(value, jax.Array) or jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended):
       (self.window[atom],) = _pin_to(flying, [value])
       return self.window[atom]
-    if value.dtype not in self.zeros:
-      (self.zeros[value.dtype],) = _pin_to(flying, [jnp.zeros((), value.dtype)])
-    self.window[atom] = _plus_zero(value, self.zeros[value.dtype])
+    if self.zero is None:
+      (self.zero,) = _pin_to(flying, [self.threaded.zero])
+    self.window[atom] = _plus_zero(value, self.zero)
     return self.window[atom]
 
   def _collect_finished(self) -> None:
@@ -753,7 +781,7 @@ class _Tail:
     if self.window_outputs:  # the next calls wait for the window's work
       _pin_to(splits, self.window_outputs)
     self.window.clear()
-    self.zeros.clear()
+    self.zero = None
     self.window_outputs = []
     for c, split in zip(due, splits):
       self.since[c] = 0.0
@@ -762,18 +790,60 @@ class _Tail:
     self._collect_finished()
 
 
-def _output_work(eqns, outputs, cones) -> dict[int, float]:
-  """Each output's work, for spacing the calls: its bytes, where its cone holds an
-  equation no earlier output's does (the momentum an update's cone computed holds none:
-  it is done by then), else 0."""
+def _units(eqns, outputs, producer) -> list[tuple[int, ...]]:
+  """What the tail evaluates one at a time, in the order it returns its ``outputs``: each
+  output, after the reductions in its cone that no earlier unit holds (together, one unit:
+  XLA fuses the reductions of one leaf, a trust ratio's two norms, into one pass). A
+  reduction's scalar result cannot fuse into the elementwise work that reads it, so the
+  window can close between them at no cost, and a large leaf's update (one norm pass, one
+  update pass) gives two windows, not one. An output that earlier units compute whole (a
+  momentum, computed for its parameter's update) joins the last of them, in the same
+  window, where XLA computes both in one pass."""
+  units: list[tuple[int, ...]] = []
+  claimed: set[int] = set()
+  unit_of: dict[int, int] = {}  # equation -> the unit that computes it
+  for key in outputs:
+    cone = _cone(key, eqns, producer)
+    if all(i in unit_of for i in cone):
+      last = max(unit_of[i] for i in cone)
+      units[last] += (key,)
+      continue
+    reductions = [
+      i
+      for i in cone
+      if i not in claimed and eqns[i].eqn.primitive.name in REDUCTIONS and eqns[i].outs[0] != key
+    ]
+    claimed.update(reductions)
+    if reductions:
+      units.append(tuple(eqns[i].outs[0] for i in reductions))
+      for i in {j for r in reductions for j in _cone(eqns[r].outs[0], eqns, producer)}:
+        unit_of.setdefault(i, len(units) - 1)
+    units.append((key,))
+    for i in cone:
+      unit_of.setdefault(i, len(units) - 1)
+  return units
+
+
+def _unit_work(eqns, units, cones, producer) -> dict[tuple[int, ...], float]:
+  """Each unit's work, for spacing the calls: the bytes its keys hold, a reduction's those
+  of the array it reduces, where its cone holds an equation no earlier unit's does (the
+  momentum an update's cone computed holds none: it is done by then), else 0."""
   avals = {k: v.aval for item in eqns for k, v in zip(item.outs, item.eqn.outvars)}
+
+  def nbytes(key):
+    item = eqns[producer[key]]
+    if item.eqn.primitive.name in REDUCTIONS:
+      aval = item.eqn.invars[0].aval
+    else:
+      aval = avals[key]
+    return math.prod(aval.shape) * aval.dtype.itemsize
+
   seen: set[int] = set()
   work = {}
-  for key in outputs:
-    fresh = set(cones[key]) - seen
+  for unit in units:
+    fresh = set(cones[unit]) - seen
     seen |= fresh
-    nbytes = math.prod(avals[key].shape) * avals[key].dtype.itemsize
-    work[key] = float(nbytes) if fresh else 0.0
+    work[unit] = float(sum(nbytes(key) for key in unit)) if fresh else 0.0
   return work
 
 
@@ -789,41 +859,57 @@ def _cone(key, eqns, producer) -> list[int]:
   return sorted(found)
 
 
-def _call_spacing(output_work, output_needs, calls_left, hop_bytes) -> list[float]:
-  """The tail's work (``_output_work``) that each collective in flight lets pass between
+def _call_spacing(unit_work, unit_needs, calls_left) -> list[float]:
+  """The tail's work (``_unit_work``) that each collective in flight lets pass between
   two of its calls.
 
   The collectives are taken to finish in the order of their calls left (fewest first).
-  What can cover collective ``c``'s calls is the outputs that need none of the sums of
-  ``c`` and of the collectives finishing after it (``output_needs``: the collectives'
-  indices each output reads). Their work is lumpy (a convolution kernel's update beside
-  a batch norm scale's): the spacing is the ``C``-th largest of them for ``C`` calls
-  left (the smallest, where fewer), so that about ``C`` windows hold at least that much,
-  but at least the bytes one of its hops sends (``hop_bytes``), so that a window of a few
-  scales and offsets does not pass for one, unless that is more than their mean per call.
-  0 (a call after every output) where nothing can cover them; infinite for a collective
-  with no calls left."""
+  What can cover collective ``c``'s calls is the units that need none of the sums of
+  ``c`` and of the collectives finishing after it (``unit_needs``: the collectives'
+  indices each unit reads), evaluated in their order. Their work is lumpy (a convolution
+  kernel's update beside a batch norm scale's), so the spacing is fitted to it
+  (``_fitted_spacing``): the largest that still closes a window for each of ``c``'s
+  calls, so that none is left to issue back to back after that work. 1 (a call after
+  every unit with work) where nothing can cover them; infinite for a collective with no
+  calls left."""
   order = sorted(range(len(calls_left)), key=lambda i: calls_left[i])
   spacing = [math.inf] * len(calls_left)
   for rank, c in enumerate(order):
     if not calls_left[c]:
       continue
     later = set(order[rank:])
-    free = sorted(
-      (w for w, needs in zip(output_work, output_needs) if w and not needs & later), reverse=True
-    )
-    if free:
-      lumpy = free[min(calls_left[c], len(free)) - 1]
-      spacing[c] = max(lumpy, min(hop_bytes[c], sum(free) / (calls_left[c] + 1)))
-    else:
-      spacing[c] = 0.0
+    free = [w for w, needs in zip(unit_work, unit_needs) if w and not needs & later]
+    spacing[c] = _fitted_spacing(free, calls_left[c])
   return spacing
 
 
-def _hop_bytes(split, sizes) -> float:
-  """The bytes one call of ``split`` sends on a link: a stream's part over the largest
-  ring."""
-  return split.stream_bytes / max(sizes)
+def _fitted_spacing(work: list[float], windows: int) -> float:
+  """The largest spacing at which ``work`` (positive, in order) closes at least
+  ``windows`` windows, a window closing once the work in it reaches the spacing; the
+  smallest of ``work`` where even that closes fewer (one window a unit), 1 where there is
+  none. Found by bisection: fewer windows close the larger the spacing."""
+  if not work:
+    return 1.0
+  low, high = min(work), sum(work)
+  if _windows_closed(work, low) < windows:
+    return low
+  if _windows_closed(work, high) >= windows:
+    return high
+  for _ in range(60):  # low closes enough windows, high too few
+    middle = (low + high) / 2
+    low, high = (middle, high) if _windows_closed(work, middle) >= windows else (low, middle)
+  return low
+
+
+def _windows_closed(work: list[float], spacing: float) -> int:
+  """How many windows ``work`` (in order) closes at ``spacing``: a window closes once the
+  work in it reaches the spacing (what is left after the last is no window)."""
+  count, since = 0, 0.0
+  for w in work:
+    since += w
+    if since >= spacing:
+      count, since = count + 1, 0.0
+  return count
 
 
 def _pin_to(splits, values) -> list:
