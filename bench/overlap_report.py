@@ -95,14 +95,18 @@ def lower_train_step(
   overlap=None,
   mesh_shape=None,
   threaded_update=True,
+  image_size=None,
 ):
   """The example's train step, lowered for ``topology`` with abstract state and batch;
   ``overlap``: ``config.grad_overlap`` (None: the config's); ``threaded_update`` False:
   with it, the optimizer's step after the last call (``update_after``); ``mesh_shape``: a
-  torus mesh of that shape (``aot_report.topology_mesh``; default 2-D)."""
+  torus mesh of that shape (``aot_report.topology_mesh``; default 2-D); ``image_size``:
+  the images' side (default: the config's)."""
   mesh = topology_mesh(topology, mesh_shape)
   config = imagenet.get_config(global_batch=batch * mesh.devices.size)
   config.model = model
+  if image_size is not None:
+    config.image_size = image_size
   if implementation is not None:
     config.grad_implementation = implementation
   if bucket_bytes is not None:

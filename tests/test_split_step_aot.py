@@ -13,7 +13,14 @@ which produces w1's: [w4, w3], [w2], [w1]. In the scheduled program
   convolution: nothing is left to overlap it);
 * every step and done takes its buffer from the previous call in place: no copy of a
   buffer that DMAs are writing (``split_schedule_problems``).
+
+The same invariants hold in the ResNet example's ResNet-50 step with ``config.grad_overlap``
+on each generation (small images, to keep each compile near a minute), where the update
+threaded behind the summation puts compute between the calls of the last bucket; and the
+zero that pins an operand after the calls survives compilation as no constant.
 """
+
+import itertools
 
 import aot_skip
 import jax
@@ -79,6 +86,40 @@ def test_every_bucket_but_the_last_overlaps_a_backward_convolution(generation):
     assert any(chain[0] < i < chain[-1] for i in backward), (chain, backward)
   last = in_start_order[(buckets - 1) * streams :]
   assert not any(chain[0] < i < chain[-1] for chain in last for i in backward), (last, backward)
+
+
+@pytest.mark.parametrize("generation", list(TOPOLOGIES))
+def test_resnet50_threaded_step_keeps_every_bucket_on_compute(generation):
+  """The ResNet example's train step with ``config.grad_overlap`` (the update threaded
+  too; 64x64 images, 2 a replica, so that it compiles in about a minute): every bucket
+  but the last starts before a backward convolution and finishes after one; the last
+  (the first layer's kernel, which the last backward convolution produces) has compute,
+  the update of the other layers, in at least half the windows between its calls (the
+  spacing is in bytes, so the last window can end up empty; without the update threaded
+  every one is: its calls are issued back to back); no buffer in flight is copied."""
+  pytest.importorskip("libtpu", reason=aot_skip.REASON)
+  from bench import hlo_schedule, overlap_report
+
+  topology, shape = TOPOLOGIES[generation]
+  mesh, lowered = overlap_report.lower_train_step(
+    topology, "resnet50", 2, "pallas", False, overlap=True, mesh_shape=shape, image_size=64
+  )
+  ops = hlo_schedule.entry_ops(lowered.compile().as_text())
+  assert hlo_schedule.split_schedule_problems(ops) == []
+  chains = sorted(hlo_schedule.split_chains(ops), key=lambda c: c[0])
+  streams = 2 * sum(1 for a in mesh.axis_names if mesh.shape[a] > 1)
+  buckets = [chains[i : i + streams] for i in range(0, len(chains), streams)]
+  assert len(buckets) >= 3 and all(len(b) == streams for b in buckets), [len(c) for c in chains]
+  backward = [i for i, op in enumerate(ops) if hlo_schedule.is_backward_convolution(op)]
+  for bucket in buckets[:-1]:
+    for chain in bucket:
+      assert any(chain[0] < i < chain[-1] for i in backward), (chain, backward[-1])
+  for chain in buckets[-1]:
+    windows = [
+      sum(op.cycles or 0 for op in ops[before + 1 : call] if not hlo_schedule.split_call(op))
+      for before, call in itertools.pairwise(chain)
+    ]
+    assert sum(1 for cycles in windows if cycles) >= len(windows) / 2, (chain, windows)
 
 
 def test_a_pinned_zero_is_not_folded_into_a_constant():
