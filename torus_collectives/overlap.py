@@ -562,7 +562,7 @@ def _opaque_zero(axis_names) -> jax.Array:
   over ``axis_names`` (it is 0 on every device). A constant zero through a barrier does
   not pin what reads it: XLA forwards constants through an ``optimization_barrier`` before
   it schedules (checked on a v5e compile: the reader got the constant and the barrier no
-  longer ordered it, ``tests/test_overlap_compiled.py``)."""
+  longer ordered it, ``tests/test_split_step_aot.py``)."""
   return mark_invariant(jnp.minimum(lax.axis_index(axis_names), 0), tuple(axis_names))
 
 
