@@ -12,6 +12,9 @@ The pages are ``README.md``, ``resnet/README.md`` and ``docs/*.md``.
 * Tables: measured and shipped figures reach the pages only through ``{include}`` of files
   that a command generates (``bench/results/*.md``, the tuning tables above), so no line of
   a page is a Markdown table row: none starts with ``|``.
+* Figures in prose: each is derived from the code or a command's output file, or recorded
+  under the date and commit it was measured at (``doc_figures``), and a recorded commit is
+  one of this repository's.
 * Wording: nothing here has run on a TPU, so no page says that anything "runs on TPU" or
   "ran on TPU".
 * Links: every relative link and image resolves to a file of the checkout, and a link's
@@ -25,6 +28,7 @@ import re
 import subprocess
 import sys
 
+import doc_figures
 import pytest
 
 import torus_collectives
@@ -159,3 +163,50 @@ def test_relative_links_resolve(page):
     if anchor and linked.suffix == ".md":
       anchors = {slug(h) for h in HEADING.findall(FENCE.sub("", linked.read_text()))}
       assert anchor in anchors, f"{_name(page)} links to {target}: no such heading"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_every_figure_is_derived_or_recorded(page):
+  problems, commits = doc_figures.problems(_name(page), page.read_text())
+  assert not problems, "\n".join(problems)
+  if not (ROOT / ".git").exists():
+    return  # an unpacked source tree: no history to look the commits up in
+  for commit in commits:
+    found = subprocess.run(
+      ["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True
+    )
+    assert found.returncode == 0, f"{_name(page)} records figures at {commit}: no such commit"
+
+
+def test_the_ledger_names_pages_that_exist():
+  assert {d.page for d in doc_figures.LEDGER} <= {_name(p) for p in PAGES}
+
+
+def test_a_figure_edited_by_hand_is_caught():
+  """A planted edit: a derived figure changed on the page, and a new figure typed into a
+  section that is not a dated record."""
+  page = ROOT / "docs" / "transport.md"
+  text = page.read_text()
+  assert not doc_figures.problems(_name(page), text)[0]
+  derived = doc_figures.LEDGER[0].rendered()
+  edited = " ".join(text.split()).replace(
+    derived, derived.replace(".", ",", 1).replace(",", ".9", 1)
+  )
+  assert derived not in edited
+  assert any("not found" in p for p in doc_figures.problems(_name(page), edited)[0])
+  typed = text.replace("## The error bound\n", "## The error bound\n\nIt takes 3.14 ms.\n", 1)
+  assert any("'3.14'" in p for p in doc_figures.problems(_name(page), typed)[0])
+  recorded = typed.replace("## The error bound", "## The error bound (2026-12-05, commit 2019c4b)")
+  assert not doc_figures.problems(_name(page), recorded)[0]
+
+
+def test_figures_are_told_from_shapes_and_versions():
+  prose = "a 16×16 torus, 4 × 8 devices, jax 0.12, Python >= 3.12, arXiv 1811.06992"
+  assert doc_figures.figures(prose) == []
+  assert doc_figures.figures("0.032 ms of 5.474 ms, 958 s at 6 images/s, 98.61%") == [
+    "0.032",
+    "5.474",
+    "958 s",
+    "6 images/s",
+    "98.61",
+  ]

@@ -141,7 +141,9 @@ def _program_order(jaxpr, out, also=()):
 def test_each_bucket_overlaps_a_backward_matmul():
   x, params = _inputs()
   mesh = harness.mesh((2, 4), AXES)
-  step = overlap.value_and_summed_grad(_loss, AXES, bucket_bytes=BUCKET_BYTES)
+  step = overlap.value_and_summed_grad(
+    _loss, AXES, bucket_bytes=BUCKET_BYTES, implementation="pallas"
+  )
   fn = jax.shard_map(
     lambda x, p: step(p, x)[1], mesh=mesh, in_specs=(P(AXES), P()), out_specs=P(), check_vma=False
   )
@@ -170,7 +172,7 @@ def test_the_last_bucket_is_cut_at_the_last_matmul():
   and the rest (``w3``, ``b``, ``w2``) starts before that matmul, which its window holds."""
   x, params = _inputs()
   mesh = harness.mesh((2, 4), AXES)
-  step = overlap.value_and_summed_grad(_loss, AXES, bucket_bytes=1 << 20)
+  step = overlap.value_and_summed_grad(_loss, AXES, bucket_bytes=1 << 20, implementation="pallas")
   fn = jax.shard_map(
     lambda x, p: step(p, x)[1], mesh=mesh, in_specs=(P(AXES), P()), out_specs=P(), check_vma=False
   )
@@ -212,7 +214,9 @@ def test_update_of_finished_buckets_runs_between_the_last_buckets_calls():
   mesh = harness.mesh((2, 4), AXES)
 
   def body(x, p):
-    step = overlap.value_and_summed_grad(_loss, AXES, bucket_bytes=BUCKET_BYTES, update=_sgd(p))
+    step = overlap.value_and_summed_grad(
+      _loss, AXES, bucket_bytes=BUCKET_BYTES, update=_sgd(p), implementation="pallas"
+    )
     return step(p, x)[1]
 
   fn = jax.shard_map(body, mesh=mesh, in_specs=(P(AXES), P()), out_specs=P(), check_vma=False)

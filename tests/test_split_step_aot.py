@@ -62,7 +62,9 @@ def test_every_bucket_but_the_last_overlaps_a_backward_convolution(generation):
   live_axes = [a for a in axes if mesh.shape[a] > 1]
 
   def step(params, x):
-    summed = tc.value_and_summed_grad(_loss, axes, bucket_bytes=2 * KERNEL_BYTES)
+    summed = tc.value_and_summed_grad(
+      _loss, axes, bucket_bytes=2 * KERNEL_BYTES, implementation="pallas"
+    )
     return summed(params, x)[1]
 
   replicated = NamedSharding(mesh, P())

@@ -226,7 +226,7 @@ def value_and_summed_grad(
   *,
   mean: bool = True,
   bucket_bytes: int | None = None,
-  implementation: str = "pallas",
+  implementation: str = "auto",
   has_aux: bool = False,
   update: Callable | None = None,
 ) -> Callable:
@@ -234,6 +234,17 @@ def value_and_summed_grad(
   (``mean=False``) or averaged over ``axis_name``, each bucket's summation overlapping the
   rest of the backward pass (module doc). Call the returned function inside the
   ``shard_map`` over ``axis_name``; it differentiates with respect to the first argument.
+
+  ``implementation``: ``"auto"`` (the default, as for every op) threads the summation only
+  where a whole-step tuning (``tc.tuning.tune_step``) measured a threaded implementation
+  faster on this topology, and is otherwise ``value_and_grad`` then
+  ``all_reduce_gradients(implementation="auto")``. An implementation with split kernels
+  (``"pallas"``) always threads; one without (``"xla"``, ``"shard_map"``,
+  ``"lax_torus"``) is ``value_and_grad`` then ``all_reduce_gradients`` with it. An unknown
+  name raises ``ValueError`` listing the known ones.
+
+  ``mean``: average (the default) or sum. ``bucket_bytes``: the largest bucket a summation
+  call carries (``all_reduce_gradients``'s). ``has_aux``: as ``jax.value_and_grad``'s.
 
   ``update``: a function of the summed gradient (the optimizer's step, say:
   ``lambda g: tx.update(g, opt_state, params)``); the returned function then gives

@@ -1,0 +1,53 @@
+"""Renamed public paths keep working for one release, with a ``DeprecationWarning`` that
+names the new path; ``CHANGELOG.md`` lists them, and the package's version is its newest
+released section."""
+
+import importlib
+import pathlib
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+MOVED_MODULES = [
+  ("torus_collectives.nn", "torus_collectives.norm.linen", "BatchNorm"),
+  ("torus_collectives.timing", "torus_collectives.tuning.timing", "Interleaved"),
+  ("torus_collectives.tune", "torus_collectives.tuning.tuner", "main"),
+]
+
+
+@pytest.mark.parametrize("old,new,name", MOVED_MODULES, ids=[m[0] for m in MOVED_MODULES])
+def test_an_old_module_imports_warns_and_is_the_new_one(old, new, name):
+  sys.modules.pop(old, None)
+  with pytest.warns(DeprecationWarning, match=re.escape(new)) as caught:
+    module = importlib.import_module(old)
+  package = str(ROOT / "torus_collectives")
+  assert not any(w.filename.startswith(package) for w in caught), "it points at the importer"
+  assert getattr(module, name) is getattr(importlib.import_module(new), name)
+
+
+def test_the_old_tuner_command_runs_and_warns():
+  run = subprocess.run(
+    [sys.executable, "-m", "torus_collectives.tune", "--help"],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env={"JAX_PLATFORMS": "cpu", "PATH": "", "PYTHONPATH": str(ROOT)},
+  )
+  assert run.returncode == 0, run.stderr
+  assert "python -m torus_collectives.tuning" in run.stderr  # the warning names the new one
+  assert "--mesh" in run.stdout
+
+
+def test_the_changelog_names_every_deprecated_path_and_the_version_follows_it():
+  changelog = (ROOT / "CHANGELOG.md").read_text()
+  deprecated = changelog.split("### Deprecated", 1)[1].split("\n### ", 1)[0]
+  for old, new, _ in MOVED_MODULES:
+    assert f"`{old}`" in deprecated and f"`{new}`" in deprecated, old
+  released = re.findall(r"^## \[(\d+\.\d+\.\d+)\]", changelog, re.M)
+  version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+  assert released and released[0] == version
