@@ -234,3 +234,18 @@ def pallas_calls(jaxpr):
         sub = getattr(sub, "jaxpr", sub)
         if isinstance(sub, jax.extend.core.Jaxpr):
           yield from pallas_calls(sub)
+
+
+def measured_entry(topology: str, op: str, dtype: str, bucket: int, choice: str, ratio=0.5):
+  """A tuning-table entry that picks ``choice`` by the package's rule: two runs, from two
+  processes, each with ``MIN_ROUNDS`` rounds at ``ratio`` of XLA's time (what "auto"
+  accepts; a bare ``choice`` with no runs it ignores)."""
+  from torus_collectives.tuning import tables
+
+  runs = [
+    tables.Run.of({choice: [ratio] * tables.MIN_ROUNDS}, process=f"process-{i}")
+    for i in range(tables.MIN_RUNS)
+  ]
+  entry = tables.Entry.from_runs(topology, op, dtype, bucket, runs)
+  assert entry.choice == choice, entry
+  return entry

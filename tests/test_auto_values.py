@@ -43,7 +43,7 @@ pytestmark = pytest.mark.usefixtures("isolated_tables")  # tests/conftest.py
 def _use(choice: str, dtypes=("float32", "bfloat16", "int32")) -> None:
   """A table whose every (op, dtype) of 1 MiB and up on 2x4 runs ``choice``."""
   entries = [
-    tables.Entry("2x4", op, dtype, BUCKET, choice, {choice: 0.5}, tables.MIN_ROUNDS)
+    harness.measured_entry("2x4", op, dtype, BUCKET, choice)
     for op in sorted(set(OPS.values()))
     for dtype in dtypes
   ]
@@ -176,7 +176,7 @@ def test_bitwise_switch_covers_a_tree_of_floats_and_integers():
 
 def test_bitwise_switch_for_gradients():
   _use("lax_torus")
-  entry = tables.Entry("2x4", "all_reduce_gradients", "float32", BUCKET, "lax_torus", {}, 10)
+  entry = harness.measured_entry("2x4", "all_reduce_gradients", "float32", BUCKET, "lax_torus")
   tables.use_table(tables.Table("cpu", "hand-written", tables.now(), [entry]))
   x = _inputs("psum", jnp.float32)
   mesh = harness.mesh((2, 4))

@@ -265,6 +265,17 @@ def test_group_sums_over_tiles(rank, tile):
     np.testing.assert_array_equal(got.reshape(*shape, 4)[c], grid[box].reshape(-1, 4).sum(0))
 
 
+@pytest.mark.parametrize("tile", [(1, 3), (2,), (2, 4, 1), (1, 0)], ids=str)
+def test_group_sum_refuses_what_is_not_a_tile(tile):
+  """An extent that does not divide its axis, or a tile of another rank, would sum wrong
+  groups: refused before any work, naming ``resolve_tile``; its nearest tile is summed."""
+  mesh, axes = _axes("2d")
+  x = harness.small_integers((8, 4), np.float32, seed=5)
+  with pytest.raises(ValueError, match=r"is not a tile of axes .*tc\.resolve_tile"):
+    harness.per_device(lambda v: tc.group_sum(v, axes, tile), mesh, x)
+  harness.per_device(lambda v: tc.group_sum(v, axes, (1, 4)), mesh, x)
+
+
 # (mesh shape, group_size, tile)
 RESOLVED = [
   ((8,), None, (8,)),

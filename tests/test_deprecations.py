@@ -30,6 +30,19 @@ def test_an_old_module_imports_warns_and_is_the_new_one(old, new, name):
   assert getattr(module, name) is getattr(importlib.import_module(new), name)
 
 
+@pytest.mark.parametrize("name", ["use_table", "Table", "Entry", "Run", "decide", "cache_path"])
+def test_the_old_table_api_answers_from_tuning_and_warns(name):
+  from torus_collectives import tuning
+  from torus_collectives.tuning import tables
+
+  with pytest.warns(DeprecationWarning, match=re.escape(f"tuning.tables.{name}")) as caught:
+    found = getattr(tuning, name)
+  assert found is getattr(tables, name)
+  assert caught[0].filename == __file__  # the warning points at the line that used it
+  with pytest.raises(AttributeError):
+    tuning.no_such_name  # noqa: B018
+
+
 def test_the_old_tuner_command_runs_and_warns():
   run = subprocess.run(
     [sys.executable, "-m", "torus_collectives.tune", "--help"],
@@ -48,6 +61,7 @@ def test_the_changelog_names_every_deprecated_path_and_the_version_follows_it():
   deprecated = changelog.split("### Deprecated", 1)[1].split("\n### ", 1)[0]
   for old, new, _ in MOVED_MODULES:
     assert f"`{old}`" in deprecated and f"`{new}`" in deprecated, old
+  assert "`torus_collectives.tuning.tables`" in deprecated
   released = re.findall(r"^## \[(\d+\.\d+\.\d+)\]", changelog, re.M)
   version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
   assert released and released[0] == version

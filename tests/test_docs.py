@@ -210,3 +210,21 @@ def test_figures_are_told_from_shapes_and_versions():
     "6 images/s",
     "98.61",
   ]
+
+
+TIMING = re.compile(r"\b\d+(?:\.\d+)?\s?(?:ms|µs)\b|\b\d\.\d+\s?(?:x|×)\s(?:XLA|of|against)")
+
+
+def test_no_source_quotes_a_measured_timing():
+  """Timings that describe how a design choice was reached belong in the design log, with
+  their date and commit; in a docstring or comment nothing keeps them true."""
+  sources = sorted((ROOT / "torus_collectives").rglob("*.py")) + sorted(
+    (ROOT / "kernels").glob("*.py")
+  )
+  found = [
+    f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+    for p in sources
+    for n, line in enumerate(p.read_text().splitlines(), 1)
+    if TIMING.search(line)
+  ]
+  assert not found, "\n".join(found)

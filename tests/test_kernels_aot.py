@@ -14,6 +14,7 @@ coordinates (v4 exposes two devices per chip: they share the last axis).
 """
 
 import aot_skip
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -180,8 +181,8 @@ def test_auto_on_tpu_is_xla_unless_a_table_says_otherwise(tmp_path, monkeypatch)
     mesh = aot_report.topology_mesh(topology)
     lower = lambda m=mesh: aot_report.lower_all_reduce(m, elements, jnp.float32, "auto").as_text()
     assert MOSAIC not in lower(), topology
-    measured = tables.Entry(
-      "4x4", "all_reduce", "float32", tables.size_bucket(4 * elements), "pallas", {}, 1
+    measured = harness.measured_entry(
+      "4x4", "all_reduce", "float32", tables.size_bucket(4 * elements), "pallas"
     )
     kind = mesh.devices.flat[0].device_kind
     tables.use_table(tables.Table(kind, "test", tables.now(), [measured]))

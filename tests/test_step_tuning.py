@@ -155,9 +155,11 @@ def test_a_step_without_gradient_summation_is_refused():
 
 
 def _step_table(choice, nbytes=TREE_BYTES, dtype="float32"):
-  entry = tables.Entry(
-    "2x4", tables.STEP_OP, dtype, tables.size_bucket(nbytes), choice, {choice: 0.5}, 10
-  )
+  """A table whose step entry gives ``choice`` by the rule (as "auto" requires): two runs,
+  from two processes, with ``choice`` at half the baseline's time in every round."""
+  runs = [tables.Run.of({choice: [0.5] * tables.MIN_ROUNDS}, process=p) for p in ("a", "b")]
+  entry = tables.Entry.from_runs("2x4", tables.STEP_OP, dtype, tables.size_bucket(nbytes), runs)
+  assert entry.choice == choice
   return tables.Table("cpu", "test machine", tables.now(), [entry])
 
 

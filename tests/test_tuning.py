@@ -48,7 +48,13 @@ def _fake_case(op="all_reduce", nbytes=16 * MiB):
 
 
 def _table(choice, op="all_reduce", bucket=24, device_kind="cpu", **changes):
-  entry = tables.Entry("2x4", op, "float32", bucket, choice, {choice: 0.5}, 5)
+  """A table of one entry for ``op`` on 2x4 from ``bucket`` up whose runs give ``choice`` by
+  the rule (as "auto" requires): two runs, from two processes, with ``choice`` at half of
+  XLA's time in every round and the other candidates at 1.2x."""
+  names = sorted({"shard_map", "lax_torus", choice} - {tables.BASELINE})
+  runs = _runs(*[{n: 0.5 if n == choice else 1.2 for n in names}] * tables.MIN_RUNS)
+  entry = tables.Entry.from_runs("2x4", op, "float32", bucket, runs)
+  assert entry.choice == choice
   table = tables.Table(device_kind, "test machine", tables.now(), [entry])
   return dataclasses.replace(table, **changes)
 
@@ -354,7 +360,7 @@ def test_missing_entries_choose_xla_and_say_how_to_tune_once(caplog):
 def test_lookup_uses_the_largest_measured_size_not_above():
   entries = [
     tables.Entry("2x4", "all_reduce", "float32", 20, "xla", {}, 5),
-    tables.Entry("2x4", "all_reduce", "float32", 24, "lax_torus", {}, 5),
+    *_table("lax_torus", bucket=24).entries,
   ]
   tables.use_table(tables.Table("cpu", "m", tables.now(), entries))
   assert _auto(nbytes=MiB) == "xla"
@@ -436,11 +442,9 @@ def test_short_real_tuning_run_writes_the_table_auto_then_traces(isolated_tables
     "shard_map": "stablehlo.collective_permute",
     "lax_torus": "stablehlo.reduce_scatter",
   }
-  for choice in ("shard_map", "lax_torus", "xla"):  # the measured choice, then edited ones
-    chosen = entry.choice if choice == "xla" else choice
-    tables.use_table(
-      dataclasses.replace(table, entries=[dataclasses.replace(entry, choice=chosen)])
-    )
+  # Tables whose runs pick shard_map, then lax_torus, then the one the tuner wrote.
+  for chosen in ("shard_map", "lax_torus", "xla"):
+    tables.use_table(table if chosen == "xla" else _table(chosen, bucket=entry.bucket))
     program = _program_of_auto(all_reduce)
     assert marks[chosen] in program
     assert all(marks[o] not in program for o in marks if o != chosen)

@@ -250,7 +250,79 @@ def psum(
   config: KernelConfig | None = None,
   transport_dtype: Any = None,
 ) -> Any:
-  """Sums ``x`` (a pytree) over ``axis_name``; as ``lax.psum``."""
+  """Sums ``x`` over the devices of ``axis_name``: ``lax.psum``, with a choice of
+  implementation.
+
+  Call it where ``lax.psum`` would go: inside ``jax.shard_map``, ``pmap`` or
+  ``vmap(axis_name=...)``. Every device of a group gets the same sum. Where lax runs the
+  call ("xla", and "auto" without ``transport_dtype``), it raises lax's own errors; the
+  others are listed under Raises.
+
+  Args:
+    x: a pytree of arrays or Python scalars. The torus implementations pack its leaves
+      into one flat buffer per dtype and run one collective per buffer; booleans are
+      summed as int32, as lax sums them. A tree with nothing traced in it (constants) is
+      summed by lax whatever ``implementation``, unless ``transport_dtype`` is given.
+    axis_name: an axis name, or a tuple or list of them, bound by the enclosing
+      ``shard_map``, ``pmap`` or ``vmap``; a tuple sums over all of them. The torus
+      implementations run over one to three mesh axes (a ring, a 2-D or a 3-D torus).
+    axis_index_groups: lax's meaning: a list of lists of device indices along
+      ``axis_name`` (row-major over a tuple of names), equal in size and covering every
+      index once; each group sums separately. None (default): one group of all devices.
+      ``"shard_map"`` runs groups that are aligned tiles of the torus (see
+      ``resolve_tile``); ``"lax_torus"`` and ``"pallas"`` run none; ``"auto"`` runs lax
+      for any other groups.
+    implementation: what runs the sum:
+
+      * ``"auto"`` (default): ``lax.psum``, unless a tuning table measured a torus
+        implementation faster than XLA, with confidence, for this device kind, torus, op,
+        dtype and size, and that implementation runs this call
+        (``auto_implementation``). The result is then lax's within
+        ``auto_rounding_bound``; ``bitwise_as_lax`` keeps floating dtypes on lax.
+      * ``"xla"``: ``lax.psum`` with the arguments as given: the reference.
+      * ``"shard_map"``: the torus schedule as ``lax.ppermute`` steps; any backend.
+      * ``"lax_torus"``: the schedule's phases as per-axis ``lax.psum_scatter`` and
+        ``lax.all_gather``.
+      * ``"pallas"``: the remote-DMA Pallas TPU kernels, for TPU v4 and newer (on other
+        devices only inside ``pltpu.force_tpu_interpret_mode``); float32, bfloat16,
+        float16 and int32; no ``axis_index_groups``; every mesh axis of the enclosing
+        ``shard_map`` manual.
+
+      Any name added with ``registry.register`` is accepted too.
+    config: a ``KernelConfig`` for the Pallas kernels, used wherever the call runs on
+      ``"pallas"`` (chosen, or picked by "auto"); the other implementations validate it
+      and ignore it. None (default): chosen from the buffer size and TPU generation.
+    transport_dtype: None (default): values travel in their own dtype. Otherwise
+      block-scaled transport: ``jnp.int8``, ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``, a
+      ``BlockScaled`` (to choose the block size), or a mapping from axis name to one of
+      these (axes left out travel unquantized, e.g. ``{"dcn": jnp.int8}``). Partial sums
+      then travel as int8 or fp8 blocks with a bfloat16 scale each, requantized at every
+      hop: lossy within ``quantization.error_bound``, and not differentiable. Floating
+      inputs only. ``"shard_map"`` runs every format, ``"pallas"`` int8 blocks of 128 on
+      every axis; ``"auto"`` runs ``"shard_map"``; ``"xla"`` and ``"lax_torus"`` have
+      none. "auto" never turns it on by itself.
+
+  Returns:
+    A pytree of ``x``'s structure, each leaf the sum over its group, of the leaf's shape
+    and dtype (booleans become int32), typed under ``check_vma`` as ``lax.psum`` types it.
+
+  Raises:
+    ValueError: at trace time, before any device work: an unknown ``implementation``
+      (the message lists the names); a ``config`` that is not a ``KernelConfig``; an
+      explicit implementation that does not run the call (a dtype, a positional axis
+      name, ``axis_index_groups``, unreduced inputs, a partially manual ``shard_map``;
+      the message names one that does, usually "auto" or "xla"); an axis named twice;
+      a ``transport_dtype`` that is a floating dtype (cast the input instead), names an
+      axis outside ``axis_name``, meets integer or boolean inputs (pass None), or asks
+      an implementation without it ("xla", "lax_torus"), or "pallas" for another format
+      than int8 blocks of 128 on every axis (use "shard_map" or "auto"). When the call is
+      compiled: ``"pallas"`` for a device that is not a TPU, outside TPU interpret mode.
+    NotImplementedError: a torus implementation over more than three mesh axes (use
+      "auto"); ``"pallas"`` on TPU v2 or v3 (use "shard_map"); differentiating a call with
+      ``transport_dtype`` (differentiate first, then sum with it); ``axis_index_groups``
+      over a vmapped axis on a torus implementation (use "auto").
+    NameError: ``axis_name`` names an axis that nothing binds (lax's error).
+  """
   out = _sum(x, axis_name, axis_index_groups, implementation, config, transport_dtype)
   if out is None:
     return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
@@ -266,7 +338,43 @@ def pmean(
   config: KernelConfig | None = None,
   transport_dtype: Any = None,
 ) -> Any:
-  """Averages ``x`` (a pytree) over ``axis_name``; as ``lax.pmean``."""
+  """Averages ``x`` over the devices of ``axis_name``: ``lax.pmean``, with a choice of
+  implementation.
+
+  The sum runs as in ``psum`` (same implementations, same refusals), then each leaf is
+  divided by the number of devices in its group. Where lax runs the call ("xla", and
+  "auto" without ``transport_dtype``), it raises lax's own errors.
+
+  Args:
+    x: a pytree of arrays or Python scalars, as for ``psum``.
+    axis_name: an axis name, or a tuple or list of them, bound by the enclosing
+      ``shard_map``, ``pmap`` or ``vmap``; a tuple averages over all of them.
+    axis_index_groups: lax's replica groups (see ``psum``); each group averages
+      separately. None (default): one group of all devices.
+    implementation: ``"auto"`` (default), ``"xla"``, ``"shard_map"``, ``"lax_torus"``,
+      ``"pallas"`` or a registered name: what runs the sum (see ``psum``). "auto" runs
+      ``lax.pmean`` unless a tuning table picked a torus implementation for this call.
+    config: a ``KernelConfig`` for the Pallas kernels, used wherever the sum runs on
+      ``"pallas"``; validated and ignored by the other implementations.
+    transport_dtype: None (default), or block-scaled transport for the sum (``jnp.int8``,
+      an fp8 dtype, a ``BlockScaled``, or a mapping from axis name to one), lossy and
+      floating inputs only, as in ``psum``.
+
+  Returns:
+    A pytree of ``x``'s structure, each leaf the mean over its group, of the leaf's shape;
+    its dtype is ``lax.pmean``'s (integer inputs give floating means).
+
+  Raises:
+    ValueError: as ``psum``: an unknown ``implementation``, a ``config`` that is not a
+      ``KernelConfig``, an explicit implementation that does not run the call (the
+      message names one that does), a refused ``transport_dtype`` (the message names the
+      fix); ``"pallas"`` compiled for a device that is not a TPU outside TPU interpret
+      mode.
+    NotImplementedError: as ``psum``: more than three mesh axes, ``"pallas"`` on TPU v2
+      or v3, differentiating a call with ``transport_dtype``, ``axis_index_groups`` over
+      a vmapped axis on a torus implementation.
+    NameError: ``axis_name`` names an axis that nothing binds (lax's error).
+  """
   out = _sum(x, axis_name, axis_index_groups, implementation, config, transport_dtype)
   if out is None:
     return lax.pmean(x, axis_name, axis_index_groups=axis_index_groups)
@@ -283,7 +391,39 @@ def all_reduce(
   config: KernelConfig | None = None,
   transport_dtype: Any = None,
 ) -> Any:
-  """Sums ``x`` over ``axis_name``: ``psum`` under its descriptive name."""
+  """Sums ``x`` over the devices of ``axis_name``: ``psum`` under its descriptive name,
+  with the same arguments, results and errors.
+
+  Args:
+    x: a pytree of arrays or Python scalars (booleans are summed as int32).
+    axis_name: an axis name, or a tuple or list of them, bound by the enclosing
+      ``shard_map``, ``pmap`` or ``vmap``; a tuple sums over all of them.
+    axis_index_groups: lax's replica groups (see ``psum``); each group sums separately.
+      None (default): one group of all devices.
+    implementation: ``"auto"`` (default: lax unless a tuning table picked a torus
+      implementation for this call), ``"xla"``, ``"shard_map"``, ``"lax_torus"``,
+      ``"pallas"`` or a registered name (see ``psum``).
+    config: a ``KernelConfig`` for the Pallas kernels, used wherever the call runs on
+      ``"pallas"``; validated and ignored by the other implementations.
+    transport_dtype: None (default), or block-scaled transport (``jnp.int8``, an fp8
+      dtype, a ``BlockScaled``, or a mapping from axis name to one), lossy and floating
+      inputs only, as in ``psum``.
+
+  Returns:
+    A pytree of ``x``'s structure, each leaf the sum over its group, of the leaf's shape
+    and dtype (booleans become int32).
+
+  Raises:
+    ValueError: as ``psum``: an unknown ``implementation``, a ``config`` that is not a
+      ``KernelConfig``, an explicit implementation that does not run the call (the
+      message names one that does), a refused ``transport_dtype`` (the message names the
+      fix); ``"pallas"`` compiled for a device that is not a TPU outside TPU interpret
+      mode.
+    NotImplementedError: as ``psum``: more than three mesh axes, ``"pallas"`` on TPU v2
+      or v3, differentiating a call with ``transport_dtype``, ``axis_index_groups`` over
+      a vmapped axis on a torus implementation.
+    NameError: ``axis_name`` names an axis that nothing binds (lax's error).
+  """
   return psum(
     x,
     axis_name,
@@ -315,8 +455,56 @@ def psum_scatter(
   config: KernelConfig | None = None,
   transport_dtype: Any = None,
 ) -> Any:
-  """Sums ``x`` (a pytree) over ``axis_name`` and keeps this device's chunk; as
-  ``lax.psum_scatter``."""
+  """Sums ``x`` over the devices of ``axis_name`` and keeps this device's chunk of the sum:
+  ``lax.psum_scatter``, with a choice of implementation.
+
+  Device ``d`` of a group of ``p`` (``d`` row-major over a tuple of axis names, or its
+  position in its group's list) keeps chunk ``d`` of ``scatter_dimension``. Where lax runs
+  the call ("xla", and "auto" without ``transport_dtype``), it raises lax's own errors.
+
+  Args:
+    x: a pytree of arrays (not boolean), packed by the torus implementations into one
+      flat buffer per dtype.
+    axis_name: an axis name, or a tuple or list of them, bound by the enclosing
+      ``shard_map``, ``pmap`` or ``vmap``; a tuple scatters over all of them, chunks in
+      row-major order.
+    scatter_dimension: the dimension of each leaf that is cut into ``p`` chunks (negative
+      counts from the end). Default 0.
+    axis_index_groups: lax's replica groups (see ``psum``); ``"shard_map"`` runs groups
+      that are aligned tiles of the torus, each listed row-major. None (default): one
+      group of all devices.
+    tiled: lax's meaning. False (default): ``x.shape[scatter_dimension]`` must equal
+      ``p``, and the result drops that dimension. True: it must be a multiple of ``p``,
+      and the result keeps it, ``p`` times shorter.
+    implementation: ``"auto"`` (default: ``lax.psum_scatter`` unless a tuning table picked
+      a torus implementation for this call), ``"xla"``, ``"shard_map"``, ``"lax_torus"``,
+      ``"pallas"`` or a registered name (see ``psum``).
+    config: a ``KernelConfig`` for the Pallas kernels, used wherever the call runs on
+      ``"pallas"``; validated and ignored by the other implementations.
+    transport_dtype: None (default), or block-scaled transport (``jnp.int8``, an fp8
+      dtype, a ``BlockScaled``, or a mapping from axis name to one): partial sums
+      quantized at every hop, lossy within ``quantization.error_bound``, floating inputs
+      only, not differentiable (see ``psum``).
+
+  Returns:
+    A pytree of ``x``'s structure, each leaf this device's chunk of the sum, of the
+    leaf's dtype: ``x.shape`` without ``scatter_dimension`` (untiled), or with it divided
+    by ``p`` (tiled).
+
+  Raises:
+    ValueError: as ``psum`` (an unknown ``implementation``, a ``config`` that is not a
+      ``KernelConfig``, an explicit implementation that does not run the call, a refused
+      ``transport_dtype``: each message names the fix; ``"pallas"`` compiled for a device
+      that is not a TPU outside TPU interpret mode); and on a torus implementation,
+      ``x.shape[scatter_dimension]`` not a multiple of ``p`` (tiled: pad it) or not ``p``
+      (untiled: reshape, or pass ``tiled=True``), or ``scatter_dimension`` out of range.
+    TypeError: on a torus implementation, a boolean leaf (lax refuses it too) or a
+      ``scatter_dimension`` that is not an int.
+    NotImplementedError: as ``psum``: more than three mesh axes, ``"pallas"`` on TPU v2
+      or v3, differentiating a call with ``transport_dtype``, ``axis_index_groups`` over
+      a vmapped axis on a torus implementation.
+    NameError: ``axis_name`` names an axis that nothing binds (lax's error).
+  """
 
   def on_lax():
     return lax.psum_scatter(
@@ -388,7 +576,45 @@ def reduce_scatter(
   config: KernelConfig | None = None,
   transport_dtype: Any = None,
 ) -> Any:
-  """``psum_scatter`` under its descriptive name."""
+  """Sums ``x`` over the devices of ``axis_name`` and keeps this device's chunk:
+  ``psum_scatter`` under its descriptive name, with the same arguments, results and
+  errors.
+
+  Args:
+    x: a pytree of arrays (not boolean).
+    axis_name: an axis name, or a tuple or list of them, bound by the enclosing
+      ``shard_map``, ``pmap`` or ``vmap``; chunks row-major over a tuple.
+    scatter_dimension: the dimension of each leaf cut into one chunk per device (negative
+      counts from the end). Default 0.
+    axis_index_groups: lax's replica groups (see ``psum``). None (default): one group of
+      all devices.
+    tiled: False (default): the dimension's size equals the group size ``p`` and the
+      result drops it. True: it is a multiple of ``p`` and the result keeps it, ``p``
+      times shorter.
+    implementation: ``"auto"`` (default: lax unless a tuning table picked a torus
+      implementation for this call), ``"xla"``, ``"shard_map"``, ``"lax_torus"``,
+      ``"pallas"`` or a registered name (see ``psum``).
+    config: a ``KernelConfig`` for the Pallas kernels, used wherever the call runs on
+      ``"pallas"``; validated and ignored by the other implementations.
+    transport_dtype: None (default), or block-scaled transport (``jnp.int8``, an fp8
+      dtype, a ``BlockScaled``, or a mapping from axis name to one), lossy and floating
+      inputs only, as in ``psum``.
+
+  Returns:
+    A pytree of ``x``'s structure, each leaf this device's chunk of the sum (see
+    ``psum_scatter``).
+
+  Raises:
+    ValueError: as ``psum_scatter``: a bad ``implementation``, ``config`` or
+      ``transport_dtype``, an explicit implementation that does not run the call, or a
+      scattered dimension that does not fit the group size; each message names the fix.
+    TypeError: as ``psum_scatter``: a boolean leaf or a non-int ``scatter_dimension`` on
+      a torus implementation.
+    NotImplementedError: as ``psum``: more than three mesh axes, ``"pallas"`` on TPU v2
+      or v3, differentiating a call with ``transport_dtype``, ``axis_index_groups`` over
+      a vmapped axis on a torus implementation.
+    NameError: ``axis_name`` names an axis that nothing binds (lax's error).
+  """
   return psum_scatter(
     x,
     axis_name,
@@ -413,8 +639,59 @@ def all_gather(
   config: KernelConfig | None = None,
   transport_dtype: Any = None,
 ) -> Any:
-  """Concatenates (``tiled``) or stacks ``x`` (a pytree) from every device; as
-  ``lax.all_gather``."""
+  """Gathers ``x`` from every device of ``axis_name``: ``lax.all_gather``, with a choice of
+  implementation.
+
+  Device ``d``'s value (``d`` row-major over a tuple of axis names, or its position in its
+  group's list) lands at index ``d`` of the gathered dimension. Where lax runs the call
+  ("xla", and "auto" without ``transport_dtype``), it raises lax's own errors.
+
+  Args:
+    x: a pytree of arrays or Python scalars, of any dtype (``"pallas"``: float32,
+      bfloat16, float16, int32); the torus implementations pack its leaves into one flat
+      buffer per dtype.
+    axis_name: an axis name, or a tuple or list of them, bound by the enclosing
+      ``shard_map``, ``pmap`` or ``vmap``; a tuple gathers over all of them.
+    axis_index_groups: lax's replica groups (see ``psum``); ``"shard_map"`` runs groups
+      that are aligned tiles of the torus, each listed row-major. None (default): one
+      group of all devices.
+    axis: where the gathered dimension goes (lax's meaning; negative counts from the
+      end): the position of the new dimension (untiled), or the existing dimension that
+      is concatenated (tiled). Default 0.
+    tiled: False (default): stack the ``p`` values along a new dimension of size ``p`` at
+      ``axis``. True: concatenate them along ``axis``, ``p`` times longer.
+    to: the result's type under ``check_vma``, as lax's: ``"varying"`` (default),
+      ``"invarying"`` (the same on every device of the group) or ``"reduced"`` (lax only:
+      "auto" runs lax for it, the torus implementations refuse it). The torus
+      implementations ignore it without ``check_vma``.
+    implementation: ``"auto"`` (default: ``lax.all_gather`` unless a tuning table picked a
+      torus implementation for this call), ``"xla"``, ``"shard_map"``, ``"lax_torus"``,
+      ``"pallas"`` or a registered name (see ``psum``).
+    config: a ``KernelConfig`` for the Pallas kernels, used wherever the call runs on
+      ``"pallas"``; validated and ignored by the other implementations.
+    transport_dtype: None (default), or block-scaled transport (``jnp.int8``, an fp8
+      dtype, a ``BlockScaled``, or a mapping from axis name to one): each device's value
+      is quantized once and every device receives the same bytes, so all get the same
+      bits; lossy within ``quantization.error_bound``, floating inputs only, not
+      differentiable (see ``psum``).
+
+  Returns:
+    A pytree of ``x``'s structure, each leaf of its dtype, shaped as ``lax.all_gather``
+    shapes it: a new dimension of size ``p`` at ``axis`` (untiled), or dimension ``axis``
+    ``p`` times longer (tiled).
+
+  Raises:
+    ValueError: as ``psum`` (an unknown ``implementation``, a ``config`` that is not a
+      ``KernelConfig``, an explicit implementation that does not run the call, a refused
+      ``transport_dtype``: each message names the fix; ``"pallas"`` compiled for a device
+      that is not a TPU outside TPU interpret mode); on a torus implementation,
+      ``to="reduced"`` under ``check_vma`` (use "auto" or "xla") or ``axis`` out of range.
+    TypeError: on a torus implementation, an ``axis`` that is not an int.
+    NotImplementedError: as ``psum``: more than three mesh axes, ``"pallas"`` on TPU v2
+      or v3, differentiating a call with ``transport_dtype``, ``axis_index_groups`` over
+      a vmapped axis on a torus implementation.
+    NameError: ``axis_name`` names an axis that nothing binds (lax's error).
+  """
 
   def on_lax():
     return lax.all_gather(
@@ -466,15 +743,39 @@ def _xor_exchange_sum(x, axis: str, size: int, extent: int):
 
 
 def group_sum(x, axis_names: Sequence[str], tile: Sequence[int]):
-  """Sums the pytree ``x`` over the replicas of each tile (``tile`` from
-  ``groups.resolve_tile``), inside ``jax.shard_map`` (or another context that binds the
-  axes).
+  """Sums ``x`` over the replicas of each aligned tile of the torus, as distributed batch
+  norm sums its statistics; call it inside ``jax.shard_map`` (or another context that
+  binds the axes).
 
-  Whole axes go through one torus all-reduce (``all_reduce``); partial axes through
-  recursive doubling (see the module docstring).
+  Axes the tile spans whole go through one ``all_reduce`` (its ``"auto"``; there is no
+  ``implementation=``); axes it covers partly through recursive doubling, ``log2(t)``
+  ``lax.ppermute`` exchanges with the partner ``i ^ 2**k`` (module
+  ``torus_collectives.collectives``). Built for small, latency-bound
+  sums such as per-channel vectors.
+
+  Args:
+    x: a pytree of arrays.
+    axis_names: the mesh axes the tiles live on, in the order of ``tile``.
+    tile: the tile's extent along each of ``axis_names``, as ``resolve_tile`` returns it
+      (e.g. ``resolve_tile(4, (2, 4))`` is ``(1, 4)``): each extent divides its axis and
+      is the whole axis or a power of two.
+
+  Returns:
+    A pytree of ``x``'s structure, each leaf the sum over its tile, of the leaf's shape
+    and dtype; every replica of a tile holds the same bits.
+
+  Raises:
+    NameError: an axis of ``axis_names`` that nothing binds (lax's error).
+    ValueError: ``tile`` is not a tile of those axes (build it with ``resolve_tile``).
   """
   axis_names = tuple(axis_names)
   sizes = tuple(lax.axis_size(a) for a in axis_names)
+  if not groups_lib.is_valid_tile(tuple(tile), sizes):
+    raise ValueError(
+      f"tile={tuple(tile)} is not a tile of axes {axis_names} of sizes {sizes}: each extent "
+      "must divide its axis and be the whole axis or a power of two; build it with "
+      "tc.resolve_tile(group_size, sizes)"
+    )
   sizes, axis_names, tile = axes.drop_unit_axes(sizes, axis_names, tuple(tile))
   whole = tuple(a for a, t, n in zip(axis_names, tile, sizes) if t == n)
   if whole:

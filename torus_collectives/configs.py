@@ -40,7 +40,10 @@ PIECES = 8
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-  """Tunables of the torus kernels.
+  """Tunables of the torus kernels: pass as ``config=`` to ``psum``, ``pmean``,
+  ``psum_scatter``, ``all_gather`` (and their descriptive names). Only the
+  ``"pallas"`` implementation reads it, whether chosen or picked by "auto"; the others
+  accept and ignore it. ``KernelConfig()`` is what ``config=None`` means.
 
   Attributes:
     block_rows: rows of 128 lanes per VMEM block and per pipelined DMA piece; a positive
@@ -53,6 +56,10 @@ class KernelConfig:
       rounded only once (about half the error; figures in ``pallas_backend``), at the
       price of 2x the wire and HBM bytes plus the widening and rounding passes around
       the kernels. No effect on 32-bit types.
+
+  Raises:
+    ValueError: when constructed, on a ``block_rows`` that is not None or a positive
+      multiple of 16, or a ``float32_partials`` that is not a bool.
   """
 
   block_rows: int | None = None

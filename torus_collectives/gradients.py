@@ -152,30 +152,64 @@ def all_reduce_gradients(
   implementation: str = "auto",
   residual: Any = None,
 ) -> Any:
-  """Sums (``mean=False``) or averages a gradient pytree over ``axis_name``.
+  """Sums (``mean=False``) or averages a gradient pytree over ``axis_name``, in buckets.
 
-  Returns a tree of the same structure, shapes and dtypes.
+  Call it inside ``jax.shard_map`` on each device's gradients, where ``lax.pmean(grads,
+  axes)`` would go. The leaves are grouped, in the order the backward pass produces them,
+  into buckets of one dtype and at most ``bucket_bytes``, and each bucket is reduced by
+  one collective (module ``torus_collectives.gradients``). On XLA, without
+  ``transport_dtype``, each bucket is one variadic ``lax.psum`` / ``lax.pmean`` of its
+  leaves, and the result equals ``lax.pmean`` (``lax.psum``) of the tree bitwise.
 
-  ``bucket_bytes``: the largest bucket (a larger leaf gets one of its own); None:
-  ``DEFAULT_BUCKET_BYTES``, or under "auto" the bucket size a whole-step tuning measured
-  for this tree (``tuning.step_tuning``).
+  Args:
+    tree: a pytree of floating-point gradients.
+    axis_name: the mesh axis, or tuple of axes, bound by the enclosing ``shard_map``.
+    mean: True (default): divide the sums by the number of devices; False: sums.
+    bucket_bytes: the largest bucket (a larger leaf gets one of its own); a positive,
+      finite number of bytes. None (default): ``DEFAULT_BUCKET_BYTES`` (32 MiB), or under
+      "auto" the bucket size a whole-step tuning measured for this tree
+      (``tuning.step_tuning``).
+    transport_dtype: None (default: the gradients' own dtype), a floating dtype (each
+      bucket is cast to it, e.g. ``jnp.bfloat16``, and the result cast back), or
+      block-scaled transport: ``jnp.int8``, an fp8 dtype, a ``tc.BlockScaled`` (to choose
+      the block size), or a mapping from axis name to one of those (e.g.
+      ``{"dcn": jnp.int8}``: quantize only the hops between slices). Block-scaled
+      transport is lossy within ``quantization.error_bound`` and not differentiable;
+      "auto" runs it on an implementation that has it ("shard_map"), "xla" and
+      "lax_torus" refuse it, "pallas" runs int8 blocks of 128 on every axis.
+    implementation: ``"auto"`` (default): the implementation and bucket size a
+      whole-step tuning measured for this tree, where one did; otherwise what a tuning
+      table measured for op ``"all_reduce_gradients"`` at this size (``resolve``), XLA
+      where nothing was. Or ``"xla"``, ``"shard_map"``, ``"lax_torus"``, ``"pallas"``
+      (see ``Implementation``) or a registered name.
+    residual: None (default), or error feedback, with block-scaled transport only: a
+      tree like ``tree`` of float32 leaves, zeros at the first step; each device's own,
+      so typed varying over the axes under ``check_vma`` (``lax.pcast(zeros, axes,
+      to="varying")`` in a loop carry). It is added to the gradients before they are
+      summed. Over the devices the residuals sum to the step's error, so what a step
+      drops the next one sends: the summed gradients of steps 1..T differ from the exact
+      ones by the last residual alone, not by T steps of error (EF-SGD). Runs on
+      "shard_map" (and "auto", which picks it).
 
-  ``transport_dtype``: None (the gradients' own dtype), a floating dtype (each bucket is
-  cast to it, e.g. ``jnp.bfloat16``), or block-scaled transport: ``jnp.int8``, an fp8
-  dtype, a ``tc.BlockScaled`` (to choose the block size), or a mapping from axis name to
-  one of those (e.g. ``{"dcn": jnp.int8}``: quantize only the hops between slices).
-  Block-scaled transport is lossy within ``quantization.error_bound``; "auto" runs it on
-  an implementation that has it ("shard_map"), and "xla" refuses it. A cast to an integer
-  dtype would truncate every gradient, so other dtypes are refused before any work.
+  Returns:
+    The means (or sums), a tree of ``tree``'s structure, shapes and dtypes. With
+    ``residual``, a pair ``(that tree, new_residual)``, where ``new_residual`` is what
+    this device's quantizations took off, to pass to the next step.
 
-  ``residual`` (error feedback, with block-scaled transport only): a tree like ``tree``
-  of float32 leaves, zeros at the first step; each device's own, so typed varying over
-  the axes under ``check_vma`` (``lax.pcast(zeros, axes, to="varying")`` in a loop
-  carry). It is added to the gradients before they are summed, and the call returns
-  ``(tree, new_residual)``: what this device's quantizations took off, to pass to the
-  next step. Over the devices the residuals sum to the step's error, so what a step drops
-  the next one sends: the summed gradients of steps 1..T differ from the exact ones by
-  the last residual alone, not by T steps of error (EF-SGD).
+  Raises:
+    ValueError: before any work: a ``bucket_bytes`` that is not a positive, finite
+      number; a leaf that is not floating point (filter integer leaves out first); a
+      ``transport_dtype`` that is neither floating nor block-scaled (pass ``jnp.int8``,
+      a floating dtype or None), or a mapping that names an axis outside ``axis_name``;
+      ``residual`` without block-scaled transport (pass ``transport_dtype=jnp.int8``);
+      an unknown ``implementation``; an explicit implementation that does not run the
+      summation (block-scaled transport on "xla" or "lax_torus", ``residual`` or another
+      format than int8 blocks of 128 on "pallas", a dtype "pallas" lacks): the message
+      names one that does. When compiled: ``"pallas"`` for a device that is not a TPU,
+      outside TPU interpret mode.
+    NotImplementedError: differentiating through a block-scaled summation; ``"pallas"``
+      on TPU v2 or v3; more than three mesh axes on a torus implementation.
+    NameError: ``axis_name`` names an axis that nothing binds.
   """
   names = axes.names(axis_name)
   leaves, treedef = jax.tree.flatten(tree)

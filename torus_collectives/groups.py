@@ -58,7 +58,9 @@ def _fill_last_axis_first(group_size: int, sizes: Sequence[int]) -> tuple[int, .
   return tuple(reversed(tile))
 
 
-def _is_valid_tile(tile: Sequence[int], sizes: Sequence[int]) -> bool:
+def is_valid_tile(tile: Sequence[int], sizes: Sequence[int]) -> bool:
+  """Whether ``tile`` is a tile of axes of ``sizes``: one extent per axis, each dividing
+  its axis and either the whole axis or a power of two."""
   return len(tile) == len(sizes) and all(t in _valid_extents(n) for t, n in zip(tile, sizes))
 
 
@@ -67,15 +69,34 @@ def valid_group_sizes(sizes: Sequence[int]) -> list[int]:
   return [
     g
     for g in range(1, math.prod(sizes) + 1)
-    if (tile := _fill_last_axis_first(g, sizes)) and _is_valid_tile(tile, sizes)
+    if (tile := _fill_last_axis_first(g, sizes)) and is_valid_tile(tile, sizes)
   ]
 
 
 def resolve_tile(group_size: GroupSize, sizes: Sequence[int]) -> tuple[int, ...]:
   """The tile shape (one extent per axis) that ``group_size`` names on axes of ``sizes``.
 
+  A tile is a group of replicas: a sub-box of the named axes with extent ``t_a`` along
+  axis ``a``, where ``t_a`` divides the axis size ``n_a`` and is either ``n_a`` or a power
+  of two, and the tiles are aligned (replica ``i`` along axis ``a`` is in tile
+  ``i // t_a``). ``batch_norm(group_size=...)`` resolves its argument with this, and
+  ``group_sum`` sums over the tiles it returns.
+
+  Args:
+    group_size: None for the whole mesh; an int, the replicas per group, filled along
+      the last axis first (on axes of sizes ``(2, 4)``: 2 is ``(1, 2)``, 4 is ``(1, 4)``,
+      8 is ``(2, 4)``); or a sequence of ints, the tile shape itself, one extent per axis.
+    sizes: the sizes of the named mesh axes, in order, e.g. ``(2, 4)``.
+
+  Returns:
+    The tile's extent along each axis, a tuple as long as ``sizes`` (``sizes`` itself for
+    None).
+
   Raises:
-    ValueError: if ``group_size`` does not name an aligned tile of the mesh.
+    TypeError: ``group_size`` is not None, an int or a sequence of ints (a bool
+      included).
+    ValueError: ``group_size`` does not name an aligned tile of the mesh; the message
+      lists the valid group sizes, or the valid extents per axis.
   """
   sizes = tuple(sizes)
   if group_size is None:
@@ -89,7 +110,7 @@ def resolve_tile(group_size: GroupSize, sizes: Sequence[int]) -> tuple[int, ...]
     )
   if _is_int(group_size):
     tile = _fill_last_axis_first(group_size, sizes)
-    if group_size >= 1 and tile and _is_valid_tile(tile, sizes):
+    if group_size >= 1 and tile and is_valid_tile(tile, sizes):
       return tile
     raise ValueError(
       f"{group_size=} is not a tile of the mesh with axis sizes {sizes} (filled along the "
@@ -97,7 +118,7 @@ def resolve_tile(group_size: GroupSize, sizes: Sequence[int]) -> tuple[int, ...]
       "whole mesh."
     )
   tile = tuple(group_size)
-  if _is_valid_tile(tile, sizes):
+  if is_valid_tile(tile, sizes):
     return tile
   raise ValueError(
     f"group_size={tile} is not a tile of the mesh with axis sizes {sizes}: give one "

@@ -39,8 +39,8 @@ its DMAs are on the link):
      weight gradient's convolution, a batch norm's scale and offset gradients): about
      three a layer. So every window holds work that cannot run before its first call:
      counting a leaf computed only from elementwise work as a point left windows that XLA
-     had emptied by running that work earlier (ResNet-50 on v5e:16x16, batch 32: 0.44 ms
-     exposed against 0.18 ms, compiler estimate). At each, the leaf passes a barrier with
+     had emptied by running that work earlier (the compiled figures are in the
+     documentation's design log). At each, the leaf passes a barrier with
      the collectives in flight, so the next call waits for the window's work (the backward
      pass reads the leaf as computed: a batch norm's sums feed its input gradient, which
      the barrier would cut off from them), and each in-flight collective issues its next
@@ -99,20 +99,14 @@ Assumptions and limits:
   threaded form; otherwise ``all_reduce_gradients(implementation="auto")``.
 * Only the default transport (the leaves' own dtype); ``transport_dtype`` and error
   feedback go through ``all_reduce_gradients``.
-* The pins still cost some compute. By the compiler's estimate, ResNet-50 on v5e:16x16
-  (batch 32 per replica, update threaded) computes for 21.56 ms threaded against 20.74 ms
-  blocking (``bench.overlap_report --topology v5e:16x16 --model resnet50 --batch 32
-  --grad-overlap on`` and ``off``), and its step estimate is 21.65 against 22.06 ms, with
-  0.032 ms exposed. Of the 0.82 ms, by op category: the batch norms' backward reductions,
-  which the blocking step fuses into the convolutions and which run apart from them here
-  (about 0.27 ms), slices of the summed parts that the update writes out (0.24 ms),
-  concatenations (0.17 ms: leaves cut from two stream parts), cutting each packed
-  bucket into its streams' parts (0.16 ms) and elementwise work (0.12 ms), less 0.18 ms
-  in the update's norms. Earlier forms cost more (v5e:2x4):
-  replaying each heavy operand's elementwise ancestry on pinned inputs computed for 22.67
-  ms against 20.74, and the zero subtracted from the smallest operand whatever it was,
-  22.08 ms (the images, less a zero, were laid out anew for the first layer's weight
-  gradient: a 0.43 ms copy).
+* The pins and the packing still cost compute: by the compiler's estimate for ResNet-50
+  on v5e:16x16 the threaded step computes more than the blocking one, and more than the
+  transfer it hides, so it is not faster than XLA's default step (``bench.overlap_report
+  --grad-overlap on`` against ``off``; the figures, by op category, are in the
+  documentation's design log). The costs: the batch norms' backward reductions run apart
+  from the convolutions that the blocking step fuses them into, slices of the summed
+  parts that the update writes out, concatenations of leaves cut from two stream parts,
+  the cut of each packed bucket into its streams' parts, and elementwise work.
 * The tail's windows are its units, one or more a window; a leaf's update pass is never
   split. ResNet-50's is a few large kernel updates beside many small scales; spaced
   evenly in bytes (``_call_spacing``), every call of the last buckets gets a window with
@@ -535,7 +529,7 @@ class _Threaded:
     input moved into place by layout equations: a program input (the images) or a
     weight cast and flipped for a transposed convolution is laid out for the convolution
     once and shared with the forward pass, and less a zero it would be copied again
-    (0.43 ms for the images on v5e, compiler estimate). Failing that, the smallest
+    (seen for the images in a v5e compile). Failing that, the smallest
     operand."""
     traced = [i for i, v in enumerate(operands) if isinstance(v, jax.Array)]
     if not traced:
@@ -754,9 +748,9 @@ class _Tail:
     window), which XLA fuses into the reader. A bucket's sum, which comes out of its done
     call, and what an earlier window computed, which comes out of its window, are read as
     they are: less the zero, they were written out again wherever two fusions read them (a
-    leaf's norms and its update; ResNet-50 on v5e:16x16, batch 32: 0.19 ms more compute,
-    compiler estimate). Values that admit no arithmetic (PRNG keys) pass the barrier
-    themselves; with nothing in flight, every value is read as it is."""
+    leaf's norms and its update, seen in a v5e compile of ResNet-50). Values that admit no
+    arithmetic (PRNG keys) pass the barrier themselves; with nothing in flight, every value
+    is read as it is."""
     if not isinstance(atom, int):
       return atom.value
     if atom in self.window or not flying or atom in self.producer or atom in self.sums:

@@ -165,7 +165,10 @@ def _fold_batch(kind, x, params):
   if batch_axes:
     spec = jax.sharding.PartitionSpec(batch_axes)
     local = functools.partial(_fold_batch_local, kind, params=params)
-    return jax.shard_map(local, in_specs=spec, out_specs=spec, axis_names=set(batch_axes))(x)
+    # Traced, not run eagerly: jax evaluating a shard_map nested in a running one (vmap of
+    # a shard_map called without jit) misplaces a vmapped value's dimensions.
+    folded = jax.shard_map(local, in_specs=spec, out_specs=spec, axis_names=set(batch_axes))
+    return jax.jit(folded)(x)
   return _fold_batch_local(kind, x, params)
 
 

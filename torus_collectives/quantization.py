@@ -91,6 +91,21 @@ class BlockScaled:
   0.53 this format is held to; 128 is one row of 128 lanes, the unit a TPU kernel reduces
   and scales in one vector; 64 buys 10-20 % less error for 1.6 % more bytes, so pass it
   where heavy-tailed gradients matter more than kernel alignment.
+
+  Pass one as ``transport_dtype=`` of ``psum``, ``pmean``, ``psum_scatter``,
+  ``all_gather``, ``all_reduce_gradients`` or ``sharded_update``, or as a value of a
+  mapping from axis name to format. A bare ``jnp.int8`` or fp8 dtype there means
+  ``BlockScaled(dtype)``, blocks of 128. ``"pallas"`` runs ``BlockScaled("int8", 128)``
+  only; ``"shard_map"`` runs every format and block size.
+
+  Attributes:
+    dtype: the quantized values' dtype: ``"int8"`` (default), ``"float8_e4m3fn"`` or
+      ``"float8_e5m2"``; a jnp dtype is accepted and stored by name.
+    block_size: elements per block, each block with one bfloat16 scale (default 128).
+
+  Raises:
+    ValueError: when constructed, on another ``dtype`` (for a floating transport such as
+      bfloat16, cast the input instead) or a ``block_size`` that is not a positive int.
   """
 
   dtype: str = "int8"

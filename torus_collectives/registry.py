@@ -68,6 +68,16 @@ from torus_collectives.configs import KernelConfig
 from torus_collectives.norm.passes import REFERENCE, Passes
 from torus_collectives.tuning import tables
 
+# The type of every ``implementation=`` argument. "auto", the default of every op: XLA
+# unless a tuning table measured a torus implementation faster for the call and that
+# implementation runs it (``auto_implementation``); with a block-scaled ``transport_dtype``,
+# "shard_map". "xla": ``jax.lax`` itself, called with the arguments as given, the
+# reference; batch norm's jnp passes. "shard_map": the torus schedule as ``lax.ppermute``
+# steps, on any backend (collectives only). "lax_torus": the schedule's phases as per-axis
+# ``lax.psum_scatter`` and ``lax.all_gather`` (collectives only). "pallas": the remote-DMA
+# Pallas TPU kernels and the fused batch-norm kernels, for TPU v4 and newer, or in TPU
+# interpret mode on any host. A name added with ``registry.register`` is accepted too; any
+# other raises ValueError listing the valid names.
 Implementation = Literal["auto", "xla", "shard_map", "lax_torus", "pallas"]
 Op = Literal["all_reduce", "reduce_scatter", "all_gather", "batch_norm"]
 OPS: tuple[str, ...] = typing.get_args(Op)
@@ -251,7 +261,9 @@ def implementations() -> tuple[str, ...]:
   return ("auto", *BACKENDS)
 
 
-# The built-in names (``implementations()`` adds any registered later).
+# The built-in ``implementation=`` names: "auto", then the backends registered when the
+# package is imported, "xla" first (what each one is: ``Implementation``). Fixed at import:
+# ``registry.implementations()`` also lists backends added later with ``registry.register``.
 IMPLEMENTATIONS: tuple[str, ...] = implementations()
 
 
@@ -304,10 +316,19 @@ def bitwise_as_lax(enabled: bool = True):
   its results are bitwise those of lax. Integer and boolean collectives are exact on every
   implementation, and keep their measured choice.
 
-  A context manager: ``with tc.bitwise_as_lax(): ...`` for the functions traced inside it
-  (jit caches traces per setting). For a whole program, set the environment variable
-  ``TORUS_COLLECTIVES_BITWISE=1`` before jax is imported, or call
-  ``jax.config.update("torus_collectives_bitwise", True)``.
+  It applies to the functions traced inside it (jit caches traces per setting, so a
+  function jitted outside is retraced inside). For a whole program, set the environment
+  variable ``TORUS_COLLECTIVES_BITWISE=1`` before jax is imported, or call
+  ``jax.config.update("torus_collectives_bitwise", True)``. Explicit implementations
+  (``implementation="shard_map"`` and the others) are not affected, nor is a block-scaled
+  ``transport_dtype``, which is lossy by request.
+
+  Args:
+    enabled: True (default) turns it on inside the ``with`` block; False turns it off
+      there, where the environment variable or ``jax.config`` turned it on.
+
+  Returns:
+    A context manager, for ``with tc.bitwise_as_lax(): ...``.
   """
   return _BITWISE(bool(enabled))
 
@@ -351,6 +372,27 @@ def auto_rounding_bound(op: str, dtype, group_size: int) -> float:
   * ``pmean``: the sum divided by p, one more rounding: ``2 gamma(p) / p``.
   * ``all_gather``: 0 (it moves bits, it adds nothing).
   * integer and boolean dtypes: 0 (their sums are exact, wrapping as lax's do).
+
+  To check a result: ``|auto - lax| <= c * sum_i |x_i|`` elementwise, with ``sum_i |x_i|``
+  e.g. ``lax.psum(jnp.abs(x), axes)`` (pmean: the same sum, not divided by p). The bound
+  does not cover a block-scaled ``transport_dtype``, which "auto" never picks by itself
+  (``quantization.error_bound`` bounds that).
+
+  Args:
+    op: ``"all_reduce"``, ``"psum"``, ``"pmean"``, ``"reduce_scatter"``,
+      ``"psum_scatter"``, ``"all_gather"`` or ``"all_reduce_gradients"`` (bounded as
+      ``"all_reduce"``).
+    dtype: the inputs' dtype (anything ``jnp.dtype`` takes).
+    group_size: p, the number of devices summed over (the product of the axis sizes, or
+      the size of a replica group).
+
+  Returns:
+    ``c``, a float; 0.0 for all-gathers and exact dtypes, ``math.inf`` where the group
+    is too large for the bound to say anything (``gamma``'s ``k u_eff >= 1``).
+
+  Raises:
+    ValueError: for a floating ``dtype``, an ``op`` not listed above (``"batch_norm"``
+      included: batch norm under "auto" always runs XLA).
   """
   u = unit_roundoff(dtype)
   if op == "all_gather" or u == 0.0:
@@ -384,7 +426,17 @@ def auto_implementation(
   XLA unless a tuning table holds a measurement for this (device kind, topology, op,
   dtype, size) that picked a torus implementation (see ``tuning.tables`` for the rule). Without
   ``nbytes`` nothing can be looked up: XLA. Batch norm: always XLA. Floating dtypes while
-  ``bitwise_as_lax`` is on: XLA.
+  ``bitwise_as_lax`` is on: XLA. Also XLA below the size where the cost model's per-hop
+  latency dominates (without looking), on more than three axes, and where the measured
+  choice does not run on this device. The tables read, most specific first: one installed
+  with ``tuning.tables.use_table``, the user cache (``$TORUS_COLLECTIVES_TUNING``, else
+  ``torus_collectives/tuning.json`` under ``$XDG_CACHE_HOME`` or ``~/.cache``), then the
+  tables shipped in the package. Where none measured this device kind and topology, a
+  warning says once how to tune (``python -m torus_collectives.tuning``).
+
+  This is the choice per (op, dtype, size, torus). A call goes further (``resolve``): it
+  runs XLA where its axes are not all bound mesh axes (vmap, pmap, positional), or where
+  the chosen implementation does not run it (replica groups, dtypes, ``to=``, ...).
 
   What "auto" promises:
 
@@ -395,6 +447,21 @@ def auto_implementation(
     rounding: ``|auto - lax| <= auto_rounding_bound(op, dtype, p) * sum_i |x_i|`` per
     element (about ``(p - 1) * eps * sum_i |x_i|``); bitwise for all-gathers and for
     integer and boolean dtypes.
+
+  Args:
+    op: ``"all_reduce"`` (default), ``"reduce_scatter"``, ``"all_gather"``,
+      ``"batch_norm"`` or ``"all_reduce_gradients"``.
+    dtype: the dtype of the data (default float32).
+    nbytes: the whole buffer's bytes: a reduce-scatter's input, an all-gather's output.
+      None (default): nothing to look up, so ``"xla"``.
+    torus: the sizes of the axes the op runs over (or of its replica group's tile), e.g.
+      ``(2, 4)``.
+
+  Returns:
+    The implementation's name, ``"xla"`` or a registered torus implementation.
+
+  Raises:
+    ValueError: an ``op`` not listed above (the message lists them).
   """
   if op not in TUNED_OPS:
     raise ValueError(f"unknown {op=}: one of {TUNED_OPS}")
@@ -404,12 +471,11 @@ def auto_implementation(
   if _keep_on_xla(dtype):
     return "xla"
   if op == "batch_norm":
-    # The tuner times batch norm alone, where the kernels win (0.34-0.73x XLA's
-    # compiled bytes at ResNet-50's shapes). In a ResNet-50 step compiled for v5e:4x4
-    # they lose: Pallas at every batch norm moved 1.26x XLA's bytes (``python -m
-    # bench.step_report``), and 1.08x at just those they read at their floor (NHWC, batch
-    # a multiple of 8, C a multiple of 128), the "auto-measured" row under an earlier rule
-    # that ran them there. So "auto" never picks them; ``implementation="pallas"`` does.
+    # The tuner times batch norm alone, where the kernels move fewer compiled bytes than
+    # XLA at ResNet-50's shapes. In a whole ResNet-50 step compiled for v5e they move more
+    # (``python -m bench.step_report``; the recorded figures are on the batch-norm page):
+    # XLA fuses batch norm into the convolutions, which an opaque kernel cannot join. So
+    # "auto" never picks them; ``implementation="pallas"`` does.
     return "xla"
   if nbytes < tables.latency_floor_bytes(tuple(torus), device_kind):
     return "xla"

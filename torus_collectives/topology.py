@@ -73,11 +73,30 @@ def make_torus_mesh(
   axis_names: Sequence[str] = ("x", "y"),
   devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-  """A mesh of ``shape`` over ``devices`` (default: all) whose neighbours are physical.
+  """A mesh of ``shape`` over ``devices`` whose mesh neighbours are physical neighbours.
 
-  ``shape`` has one, two or three axes (``axis_names=("x", "y", "z")`` for a 3-D torus).
-  The axes are ``Auto`` (not ``Explicit``), so the mesh works with ``jax.shard_map``
-  without sharding boilerplate in the caller.
+  On TPU, where ``shape`` is the slice's physical shape (size-one dimensions left out),
+  every device sits at its chip coordinates, so each ring step of the torus collectives
+  crosses one link; for other shapes ``jax.experimental.mesh_utils.create_device_mesh``
+  orders the devices. Devices without coordinates (CPU, GPU) fill the mesh in the order
+  given, row-major. The axes are ``Auto`` (not ``Explicit``, ``jax.make_mesh``'s
+  default), so the mesh works with ``jax.shard_map`` without sharding boilerplate.
+
+  Args:
+    shape: one, two or three axis sizes, e.g. ``(2, 4)`` for an X x Y torus; their
+      product must be the number of devices.
+    axis_names: one distinct name per axis (default ``("x", "y")``; ``("x", "y", "z")``
+      for a 3-D torus). Pass them to the collectives as ``axis_name``.
+    devices: the devices to lay out (default: ``jax.devices()``, all of them).
+
+  Returns:
+    A ``jax.sharding.Mesh`` of ``shape`` with axes ``axis_names``, all ``AxisType.Auto``.
+
+  Raises:
+    ValueError: ``shape`` and ``axis_names`` of different lengths, an axis of size below
+      one, fewer than one or more than three axes, repeated axis names, or a product of
+      ``shape`` that is not the number of devices (pick a shape whose product is the
+      device count).
   """
   shape = tuple(int(n) for n in shape)
   axis_names = tuple(axis_names)

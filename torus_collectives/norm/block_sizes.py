@@ -23,9 +23,17 @@ class BlockSizes:
   """Block shape of every batch-norm pass over the kernels' ``[R, S, C]`` view of the
   activation (``layout.bn_view``: ``[H*W, N, C]`` for NHWC in XLA's convolution layout).
 
+  Pass as ``batch_norm(..., block_sizes=)``; only ``implementation="pallas"`` reads it.
+  None there: ``BlockSizes.default`` for the shape and TPU generation.
+
   Attributes:
-    block_rows: leading rows of the view per block (each holds S x C elements).
+    block_rows: leading rows of the view per block (each holds S x C elements); at most
+      the view's rows.
     block_channels: channels per block: all of them, or a multiple of 128 dividing them.
+
+  Raises:
+    ValueError: when constructed, on a size below one; when the Pallas batch norm runs,
+      on blocks that do not tile the activation's view (``check``).
   """
 
   block_rows: int

@@ -9,7 +9,11 @@
   entries "auto" reads for gradient summation.
 """
 
+import importlib
+
 __all__ = ["tune_step"]
+
+_SUBMODULES = frozenset({"tables", "timing", "tuner", "step_tuning"})
 
 
 def __getattr__(name: str):
@@ -18,4 +22,13 @@ def __getattr__(name: str):
     from torus_collectives.tuning.step_tuning import tune_step
 
     return tune_step
+  if not name.startswith("_") and name not in _SUBMODULES:
+    # This was one module until the tuner, the tables and the timing became three: its
+    # table API (``use_table``, ``Table``, ``decide``, ...) still answers here, deprecated.
+    tables = importlib.import_module("torus_collectives.tuning.tables")
+    if hasattr(tables, name):
+      from torus_collectives._deprecation import warn_moved
+
+      warn_moved(f"torus_collectives.tuning.{name}", f"torus_collectives.tuning.tables.{name}")
+      return getattr(tables, name)
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

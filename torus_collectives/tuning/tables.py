@@ -43,9 +43,8 @@ implementation replaces it only if it beats XLA with confidence, in more than on
   its output file already holds, so it takes a second process to confirm a choice.
 * Why two processes: the bootstrap interval accounts for noise between rounds of one run,
   not for what stays fixed within a process (memory layout, thread placement, what else
-  the machine runs for minutes). On 8 simulated CPU devices one run put shard_map's bf16
-  all-gather of 16 MiB at 0.77x XLA's time; five later runs, each in its own process,
-  put its median at 1.56x, 1.22x, 1.50x, 1.07x and 0.99x.
+  the machine runs for minutes). docs/tuning.md ("Why two processes") records the runs,
+  each in its own process, that showed one process's fluke.
 * Assumptions: rounds of a run are exchangeable (the random order of ``tuning.timing`` serves
   this), and what a candidate gains over XLA holds for the sizes of its bucket and up to
   the next measured one (``lookup``). ``python -m torus_collectives.tuning --validate TABLE``
@@ -56,6 +55,16 @@ table format or package version, is ignored with a ``TuningTableWarning``; so is
 passed to ``use_table`` or in the user cache that was measured on another device kind.
 The shipped tables for other device kinds are skipped silently, by design: the package
 ships tables for several kinds, and all but one never apply.
+
+Every table "auto" reads is checked entry by entry (``checked``), whichever way it came:
+``use_table``, the user cache, the shipped tables. An entry's ``choice`` is not trusted: the
+rule is applied again to its recorded per-round ratios (``unsupported``: each run's rounds,
+median and bound re-derived from them, ``rederived``, then ``decide``), and an entry whose
+runs do not give its choice (none recorded, one process's only, too few rounds, a bound
+above the threshold, an edited choice) is read as XLA for its key, with one
+``TuningTableWarning`` per such entry and load of the table that names the entry, where it
+came from, and the command that measures it (``retune_command``). An XLA choice needs no
+runs: XLA is what "auto" runs unmeasured.
 """
 
 from __future__ import annotations
@@ -69,6 +78,7 @@ import logging
 import math
 import os
 import pathlib
+import shlex
 import tempfile
 import uuid
 import warnings
@@ -172,13 +182,15 @@ class Run:
   @classmethod
   def of(cls, ratios: Mapping[str, Sequence[float]], process: str | None = None) -> Run:
     """The run of these per-round ratios, measured in ``process`` (default: this one)."""
-    ratios = {n: [float(v) for v in r] for n, r in ratios.items() if n != BASELINE}
+    # The ratios as recorded (4 decimals) are what the median and bound are computed
+    # from, so that a reader re-derives the same figures from the table (``rederived``).
+    ratios = {n: [round(float(v), 4) for v in r] for n, r in ratios.items() if n != BASELINE}
     rounds = min((len(r) for r in ratios.values()), default=0)
     return cls(
       process=PROCESS if process is None else process,
       created=now(),
       rounds=rounds,
-      ratios={n: [round(v, 4) for v in r] for n, r in ratios.items()},
+      ratios=ratios,
       median={n: round(float(np.median(r)), 4) if r else math.inf for n, r in ratios.items()},
       ci_high={n: round(ci_high(r), 4) for n, r in ratios.items()},
     )
@@ -277,7 +289,8 @@ class Entry:
 
   ``ratios`` and ``rounds`` summarise ``runs`` for reading: per candidate the largest
   per-run median ratio, and the fewest rounds of a run. The choice is ``decide(runs)``
-  when the tuner writes it (``from_runs``); a hand-made entry may carry no runs.
+  when the tuner writes it (``from_runs``); "auto" reads any other entry's choice, one
+  made by hand without runs or edited, as XLA (``checked``).
   """
 
   topology: str
@@ -315,6 +328,94 @@ def holds(entry: Entry, fresh: Sequence[Run]) -> bool:
   always does (XLA is the reference "auto" promises not to lose to); a torus choice does
   if it passes every one of at least ``MIN_RUNS`` fresh runs (``passing``)."""
   return entry.choice == BASELINE or entry.choice in passing(fresh)
+
+
+# ----------------------------------------------------------------------------------------
+# The check every table passes before "auto" reads it.
+
+
+def rederived(runs: Sequence[Run]) -> list[Run]:
+  """``runs`` as the rule reads a table: each run's rounds, medians and bounds computed
+  again from its recorded per-round ratios (``Run.of``), so that no summary figure typed
+  into a table counts. Raises TypeError or ValueError on ratios that are not numbers."""
+  return [Run.of(run.ratios, process=run.process) for run in runs]
+
+
+def unsupported(entry: Entry) -> str | None:
+  """Why ``entry``'s recorded runs do not give its choice by the rule (``decide`` of
+  ``rederived`` runs), or None where they do. An XLA choice needs no runs."""
+  choice = entry.choice
+  if choice == BASELINE:
+    return None
+  try:
+    runs = kept_runs(rederived(entry.runs))
+  except (TypeError, ValueError, AttributeError) as e:
+    return f"its runs cannot be read ({e})"
+  picked = decide(runs)
+  if picked == choice:
+    return None
+  if not runs:
+    return "it records no runs"
+  if len(runs) < MIN_RUNS:
+    return f"its runs come from {len(runs)} process(es), the rule needs {MIN_RUNS}"
+  for i, run in enumerate(runs, 1):
+    where = f"in run {i} of {len(runs)} (process {run.process})"
+    if choice not in run.ratios:
+      return f"{where} {choice} was not timed"
+    if run.rounds < MIN_ROUNDS:
+      return f"{where} {run.rounds} rounds were timed, the rule needs {MIN_ROUNDS}"
+    if not run.passes(choice):
+      return (
+        f"{where} its median time ratio to {BASELINE} is {run.median[choice]:.2f} and the "
+        f"upper end of its bootstrap {CONFIDENCE:.0%} interval {run.ci_high[choice]:.3f}, "
+        f"above {THRESHOLD:.2f}"
+      )
+  return f"{picked} has the lower worst-case bound in its runs, so the rule picks {picked}"
+
+
+def retune_command(entry: Entry, output: str | None = None) -> str:
+  """The command that measures ``entry``'s case again (into ``output``; None: the user
+  cache, which "auto" reads before the shipped tables)."""
+  size = size_label(2**entry.bucket, sep="")
+  to = f" --output {shlex.quote(output)}" if output else ""
+  mesh = f"{TUNE_COMMAND} --mesh {entry.topology} --dtypes {entry.dtype}"
+  if entry.op in ("all_reduce", "reduce_scatter", "all_gather"):
+    return f"{mesh} --ops {entry.op} --sizes {size} --gradient-sizes= --batch-norm-shapes={to}"
+  if entry.op == "all_reduce_gradients":
+    return f"{mesh} --ops= --gradient-sizes {size} --batch-norm-shapes={to}"
+  if entry.op == STEP_OP:
+    into = f"output={output!r}" if output else "output=None"
+    return (
+      f"torus_collectives.tuning.tune_step(make_step, args, {into}), once in each of "
+      f"{MIN_RUNS} processes"
+    )
+  return f"{mesh} --ops= --gradient-sizes= --batch-norm-shapes=NxHxWxC{to}"
+
+
+def checked(table: Table, source: str | None = None, output: str | None = None) -> Table:
+  """``table`` as "auto" reads it: each entry whose runs do not support its choice
+  (``unsupported``) is read as XLA for its key, with one ``TuningTableWarning`` naming the
+  entry, ``source`` (the file it came from; None: a table passed to ``use_table``) and the
+  command that measures it again (``retune_command``, into ``output``)."""
+  entries = []
+  for entry in table.entries:
+    why = unsupported(entry)
+    if why is not None:
+      warnings.warn(
+        f"ignoring the tuning table entry {entry.topology} {entry.op} {entry.dtype} "
+        f"{size_label(2**entry.bucket)} (size bucket {entry.bucket}) of "
+        f"{source or 'the table passed to use_table'}: it picks {entry.choice}, but {why}; "
+        f'"auto" runs {BASELINE} there. A candidate replaces {BASELINE} only if the upper '
+        f"end of the bootstrap {CONFIDENCE:.0%} interval of its median per-round time ratio "
+        f"to {BASELINE} is at most {THRESHOLD:.2f} in each of {MIN_RUNS} runs of at least "
+        f"{MIN_ROUNDS} rounds in different processes. Measure it: "
+        f"`{retune_command(entry, output)}`",
+        TuningTableWarning,
+        stacklevel=3,
+      )
+      entry = dataclasses.replace(entry, choice=BASELINE)
+    entries.append(entry)
+  return dataclasses.replace(table, entries=entries)
 
 
 @dataclasses.dataclass
@@ -441,13 +542,16 @@ _explicit: Table | None = None
 
 def use_table(table: Table | str | os.PathLike | None) -> None:
   """Makes ``table`` (or the table in the file at that path) the first one "auto" reads;
-  None removes it. Call it with the same table on every process."""
+  None removes it. Call it with the same table on every process. Its entries are
+  ``checked`` now: one whose runs do not support its choice is read as XLA, with a
+  ``TuningTableWarning``."""
   global _explicit
-  if table is None or isinstance(table, Table):
-    _explicit = table
-    return
-  text = pathlib.Path(table).read_text()
-  _explicit = Table.from_json(text)
+  if table is None:
+    _explicit = None
+  elif isinstance(table, Table):
+    _explicit = checked(table)
+  else:
+    _explicit = checked(Table.from_json(pathlib.Path(table).read_text()), str(table), str(table))
 
 
 @functools.cache
@@ -472,6 +576,14 @@ def _read(path: str, mtime: float) -> Table | None:
 
 
 @functools.cache
+def _checked_file(path: str, mtime: float) -> Table:
+  """The readable table at ``path``, ``checked`` once per version of the file (one warning
+  per entry the rule does not support). The command it suggests writes to the user cache,
+  which "auto" reads before the shipped tables."""
+  return checked(_read(path, mtime), path)
+
+
+@functools.cache
 def _foreign(path: str, mtime: float, table_kind: str, device_kind: str) -> None:
   del mtime
   warnings.warn(
@@ -488,8 +600,10 @@ def _from_file(path: pathlib.Path, device_kind: str, shipped: bool) -> Table | N
   except OSError:
     return None
   table = _read(str(path), mtime)
-  if table is None or table.device_kind == device_kind:
-    return table
+  if table is None:
+    return None
+  if table.device_kind == device_kind:
+    return _checked_file(str(path), mtime)
   if not shipped:  # shipped tables for other device kinds are expected, not an error
     _foreign(str(path), mtime, table.device_kind, device_kind)
   return None

@@ -1,18 +1,18 @@
 """The one routine that times implementations against each other: the tuner's and bench/'s.
 
 On a shared or noisy machine, timing one implementation and then another compares two
-different moments of the machine: a benchmark whose two rows run the same program read
-0.62x to 1.68x of each other. Here every candidate is timed in the same run, interleaved:
+different moments of the machine: two rows of a benchmark that run the same program can
+read far apart (the benchmarks page records by how much). Here every candidate is timed in
+the same run, interleaved:
 
 1. each candidate is called (compiled, then warmed) before any round is timed;
 2. a round calls every candidate once, each call followed by ``jax.block_until_ready``,
    in a fresh random order each round (seeded, so every process of a multi-process run
    calls the collectives in the same order): a call is slowed by the one before it (a
    heavy predecessor leaves caches and thread pools cold), and with a fixed or rotated
-   order the same candidate would always follow the same heavy one. Measured on 8
-   simulated CPU devices (bench/test_collectives_bench.py, 12 groups): "auto" and "xla",
-   one and the same program, read 1.02-1.26x of each other with a rotated order and
-   0.95-1.05x with random orders;
+   order the same candidate would always follow the same heavy one ("auto" and "xla",
+   one and the same program, read further apart with a rotated order than with random
+   orders in ``bench/test_collectives_bench.py``);
 3. a candidate's speed relative to the baseline is the *median over rounds of the
    per-round ratio* ``t_candidate / t_baseline``: a round slowed by the machine slows both
    (the ratio survives), and a few outlier rounds do not move the median.

@@ -39,9 +39,35 @@ def scale_by_trust_ratio(
   *,
   axis_name: AxisName | None = None,
 ) -> optax.GradientTransformation:
-  """``optax.scale_by_trust_ratio`` from plain norms, all independent (module doc); with
-  ``axis_name``, on leaves sharded over it, the squared norms summed over the shards in one
-  vector."""
+  """``optax.scale_by_trust_ratio`` with one reduction per step: each leaf's update scaled
+  by ``trust_coefficient * max(|param|, min_norm) / (max(|update|, min_norm) + eps)``, and
+  by 1 where either norm is zero, as optax.
+
+  The norms are plain (float32) norms, all independent of each other, so
+  ``sharded_update`` completes all of a step's norms with one ``psum``; unsharded the
+  result equals optax's bitwise.
+
+  Args:
+    min_norm: the smallest norm used for the parameters and the updates (default 0.0).
+    trust_coefficient: multiplies the ratio (default 1.0).
+    eps: added to the update's norm in the denominator (default 0.0).
+    axis_name: None (default, and what ``sharded_update`` needs: it makes the norms
+      global itself), or the axes over which code that runs the transformation on its own
+      shards holds each leaf sharded: the squared norms are then summed over them with
+      one ``lax.psum``.
+
+  Returns:
+    An ``optax.GradientTransformation`` with an empty state; its ``update`` takes
+    ``(updates, state, params)`` and returns ``(scaled updates, state)``, the updates of
+    their own structure and shapes.
+
+  Raises:
+    ValueError: when its ``update`` is called without ``params``.
+    UnshardableTransformError: inside ``sharded_update`` with ``axis_name`` over its own
+      axes, when traced (build it with ``axis_name=None`` there).
+    ImportError: on first access (``tc.scale_by_trust_ratio``) without optax: install
+      it with ``pip install 'torus-collectives[optax]'``.
+  """
 
   def update_fn(updates, state, params=None):
     if params is None:
@@ -80,8 +106,40 @@ def lars(
   *,
   axis_name: AxisName | None = None,
 ) -> optax.GradientTransformation:
-  """``optax.lars``'s chain (decayed weights, masked trust ratio, learning rate, momentum)
-  with this module's one-reduction trust ratio; ``axis_name`` as there."""
+  """LARS (You et al. 2017): ``optax.lars`` with the one-reduction trust ratio of
+  ``scale_by_trust_ratio``, for ``sharded_update``.
+
+  The same chain as ``optax.lars``, with the same arguments: decayed weights, the masked
+  trust ratio, the learning rate, momentum. Unsharded it equals ``optax.lars`` bitwise;
+  inside ``sharded_update`` all of a step's norms complete in one ``psum``, where
+  ``optax.lars`` needs two (``optax.safe_norm``).
+
+  Args:
+    learning_rate: a float, or an optax schedule of the step count.
+    weight_decay: the weight decay added to the updates (default 0.0).
+    weight_decay_mask: which leaves get weight decay: True (default: all), or a pytree of
+      bools like (or a prefix of) the parameters, or a callable returning one.
+    trust_coefficient: multiplies the trust ratio (default 0.001).
+    eps: added to the update's norm in the ratio's denominator (default 0.0).
+    trust_ratio_mask: which leaves the trust ratio scales, as ``weight_decay_mask``
+      (default True: all); biases and batch-norm parameters are commonly left out.
+    momentum: the momentum's decay rate (default 0.9).
+    nesterov: use Nesterov momentum (default False).
+    axis_name: as in ``scale_by_trust_ratio``: None (default) inside ``sharded_update``;
+      the sharding axes for code that runs the transformation on shards itself.
+
+  Returns:
+    An ``optax.GradientTransformation``, used as ``optax.lars``'s is
+    (``updates, state = tx.update(grads, state, params)``, then
+    ``optax.apply_updates(params, updates)``).
+
+  Raises:
+    ValueError: when its ``update`` is called without ``params``.
+    UnshardableTransformError: inside ``sharded_update`` with ``axis_name`` over its own
+      axes, when traced (build it with ``axis_name=None`` there).
+    ImportError: on first access (``tc.lars``) without optax: install it with
+      ``pip install 'torus-collectives[optax]'``.
+  """
   return optax.chain(
     optax.add_decayed_weights(weight_decay, mask=weight_decay_mask),
     optax.masked(
