@@ -15,7 +15,9 @@ all-reduce. This module does the same on the jaxpr of ``tx.update``, traced on t
   counts, hyperparameters, reduction results) or ``Uniform`` (a replicated broadcast of one
   scalar, kept unmaterialised). A replicated value meeting a sharded one is cut to this
   device's slice, which is always exact.
-* **elementwise** primitives on sharded values run on the slices.
+* **elementwise** primitives on sharded values run on the slices; a replicated operand
+  whose size-one axes lax broadcasts implicitly (``mul f32[4,5] f32[1,5]``) is broadcast
+  whole before it is cut.
 * **reshape, squeeze, size-preserving broadcasts and transposes that keep the order of the
   non-unit axes** keep the flat order, so they only relabel the logical shape.
 * **reductions over every axis** (``reduce_sum``/``max``/``min``/``and``/``or`` and a
@@ -35,8 +37,9 @@ all-reduce. This module does the same on the jaxpr of ``tx.update``, traced on t
 * **refusals.** Everything else that touches a sharded value depends on the leaf's layout
   (a partial-axis reduction such as Adafactor's factored row and column statistics, sort,
   cumsum, top-k, gathers, slices, concatenation, argmax, transposes that reorder axes,
-  collectives over the sharding axes) and raises ``UnshardableTransformError`` at trace
-  time, naming the primitive, the leaf and the fix, before any device work.
+  broadcasts of a leaf to a larger shape, explicit or implicit, collectives over the
+  sharding axes) and raises ``UnshardableTransformError`` at trace time, naming the
+  primitive, the leaf and the fix, before any device work.
 """
 
 from __future__ import annotations
@@ -86,7 +89,23 @@ RELABELLING = frozenset({"reshape", "squeeze", "broadcast_in_dim", "transpose", 
 
 
 class UnshardableTransformError(ValueError):
-  """The inner transformation does something to a leaf that a 1/p shard cannot compute."""
+  """Raised by ``sharded_update`` when its optax transformation does something to a leaf
+  that a 1/p shard of it cannot compute exactly.
+
+  ``sharded_update`` runs the transformation's update on flat shards of each leaf; it
+  makes whole-leaf reductions (norms, means, maxima) global itself, and refuses whatever
+  depends on a leaf's layout: reductions over some axes of a leaf only (Adafactor's
+  factored statistics, a per-row norm), sort, cumulative sums, top-k, argmax, gathers,
+  slices, concatenation, transposes that reorder a leaf's axes, broadcasts of a leaf to a
+  larger shape, a branch on a sharded value, loops over sharded values, and collectives
+  over the sharding axes inside the transformation (such as ``lars(axis_name=...)``).
+
+  It is raised when ``init`` or ``update`` is traced, before any device work. The message
+  names the primitive, the leaf, its operand shapes and the fix: run that transformation
+  unsharded (``all_reduce_gradients``, then ``tx.update`` on every replica), keep such
+  leaves out of it with ``optax.masked`` or ``optax.partition``, or, for a collective,
+  build the transformation without ``axis_name``. A subclass of ``ValueError``.
+  """
 
 
 def _extreme(dtype, *, lowest: bool) -> jax.Array:
@@ -300,13 +319,20 @@ class Interpreter:
     return list(out) if eqn.primitive.multiple_results else [out]
 
   def _elementwise(self, eqn, operands, shape, origin) -> Sharded:
+    # lax's binary operations broadcast size-one axes implicitly (`mul f32[4,5] f32[1,5]`):
+    # a replicated operand is broadcast whole before it is cut; a sharded one would need
+    # every element on every device.
     locals_ = []
     for v in operands:
       if isinstance(v, Sharded):
+        if v.shape != tuple(shape):
+          self._refuse(eqn, operands, "broadcasts a leaf to a larger shape")
         locals_.append(v.local)
       elif np.ndim(v) == 0 and not isinstance(v, Uniform):
         locals_.append(v)
       else:
+        if not isinstance(v, Uniform) and np.size(v) != 1 and np.shape(v) != tuple(shape):
+          v = jnp.broadcast_to(v, shape)
         locals_.append(self.shards.cut(v, shape).local)
     return Sharded(inlining.bind(eqn.primitive, locals_, eqn.params), shape, origin)
 

@@ -292,7 +292,11 @@ class _Sharding:
     state = jax.tree.unflatten(state_def, [x[None] for x in stored])
     if not self.error_feedback:
       return state
-    residual = jax.tree.map(lambda p: jnp.zeros((1, *p.shape), jnp.float32), params)
+    # Typed varying, as the residual every step returns (each device's own): the state
+    # is then a loop carry under check_vma.
+    residual = jax.tree.map(
+      lambda p: ensure_varying(jnp.zeros((1, *p.shape), jnp.float32), step.axes), params
+    )
     return ErrorFeedbackState(state, residual)
 
   def sharded_step(self, grads, state, params):
