@@ -33,11 +33,10 @@ from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
 from torus_collectives import primitives
+from torus_collectives.cost_model import RESNET50_PARAMS
 from torus_collectives.sizes import size_label
 from torus_collectives.topology import most_square_shape
 
-# Trainable parameters of ResNet-50 (ImageNet, 1000 classes): its gradient's size.
-RESNET50_PARAMETERS = 25_557_032
 AXES = ("x", "y")
 
 
@@ -217,7 +216,7 @@ def main(argv=None) -> None:
   parser.add_argument(
     "--elements",
     type=int,
-    default=RESNET50_PARAMETERS,
+    default=RESNET50_PARAMS,
     help="gradient elements per device (default: ResNet-50)",
   )
   parser.add_argument("--dtypes", default="float32,bfloat16")

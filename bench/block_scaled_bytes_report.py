@@ -6,7 +6,7 @@ kernels, both compiled and consumed the same way: a markdown table and a JSON fi
 
 ``--json`` defaults to ``--out`` with the suffix ``.json``. Each row compiles two programs
 ahead of time, with libtpu on a CPU host (``aot_report.topology_mesh``), over the same v5e
-topology's 2-D mesh, on the same gradient: one flat buffer of ``aot_report.RESNET50_PARAMETERS``
+topology's 2-D mesh, on the same gradient: one flat buffer of ``aot_report.RESNET50_PARAMS``
 elements per device, of the row's dtype, in a ``shard_map`` over every mesh axis. The two
 programs differ only in the transport; each takes the gradient in its own dtype, returns
 the result in that dtype and consumes the sum inside the program (``2 *``, as a train step's
@@ -171,7 +171,7 @@ class Row:
     return self.int8.wire_bytes / self.bf16.wire_bytes
 
 
-def measure(topology: str, dtype: str, elements: int = aot_report.RESNET50_PARAMETERS) -> Row:
+def measure(topology: str, dtype: str, elements: int = aot_report.RESNET50_PARAMS) -> Row:
   """One row: both sides compiled on ``topology`` for a gradient of ``dtype``."""
   devices = aot_report.topology_mesh(topology).size
   int8, bf16 = (measure_side(topology, elements, dtype, t) for t in TRANSPORTS)
@@ -278,7 +278,7 @@ def report(configs=CONFIGS) -> tuple[str, dict, float]:
     f"`{COMMAND}`. Compiler estimates, not measurements: ahead-of-time compiles for v5e "
     "topologies with libtpu on a CPU host, nothing run on a TPU. Both sides are whole "
     "programs over the same mesh and the same gradient, ResNet-50's "
-    f"({aot_report.RESNET50_PARAMETERS:,} elements, one buffer per device), taken in the "
+    f"({aot_report.RESNET50_PARAMS:,} elements, one buffer per device), taken in the "
     "gradient's dtype, returned in it and consumed inside the program by `2 *` (as an "
     "update reads the sum, so no output copy on either side): int8 is "
     '`2 * tc.all_reduce(v, axes, implementation="pallas", transport_dtype=jnp.int8)` '

@@ -151,9 +151,8 @@ from torus_collectives.kernels.torus_kernels import (
   collective_id,
   mesh_coordinates,
 )
-from torus_collectives.layout import ceil_div, pad_chunks, pad_to
+from torus_collectives.layout import LANES, ceil_div, pad_chunks, pad_to
 
-LANES = 128
 FORMAT = quantization.BlockScaled("int8")
 LEVELS = FORMAT.levels
 # Rows per VMEM piece: a multiple of 32 (one int8 tile), at most 256 (the scale row packs

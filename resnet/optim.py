@@ -27,6 +27,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
+from torus_collectives.weight_update import trust_ratio
 from torus_collectives.weight_update.sharded_update import ErrorFeedbackState
 
 
@@ -68,7 +69,7 @@ def lars(
   eps: float,
 ) -> optax.GradientTransformation:
   """LARS on kernels only, the same transformation sharded or not."""
-  return tc.lars(
+  return trust_ratio.lars(
     learning_rate_fn,
     weight_decay=weight_decay,
     weight_decay_mask=kernel_mask,

@@ -203,22 +203,21 @@ def _cross_field_problems(config) -> list[str]:
 
 def _runtime_problems(config, num_devices: int) -> list[str]:
   """What needs jax up (imported here, so the entry point can validate before it starts)."""
-  import torus_collectives as tc
   from resnet import models
   from torus_collectives import registry
 
   problems = []
   if config.model not in models.ARCHITECTURES:
     problems.append(f"config.model={config.model!r} must be one of {sorted(models.ARCHITECTURES)}.")
-  if config.grad_implementation not in tc.IMPLEMENTATIONS:
+  if config.grad_implementation not in registry.IMPLEMENTATIONS:
     problems.append(
       f"config.grad_implementation={config.grad_implementation!r} must be one of "
-      f"{list(tc.IMPLEMENTATIONS)}."
+      f"{list(registry.IMPLEMENTATIONS)}."
     )
   block_scaled = ["auto", *(n for n, b in registry.BACKENDS.items() if b.block_scaled_transport)]
   if (
     config.grad_transport_dtype in BLOCK_SCALED_TRANSPORT_DTYPES
-    and config.grad_implementation in tc.IMPLEMENTATIONS
+    and config.grad_implementation in registry.IMPLEMENTATIONS
     and config.grad_implementation not in block_scaled
   ):
     problems.append(

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
+from torus_collectives.weight_update import trust_ratio
 
 AXES = ("x", "y")
 STEPS = 5  # optimizer steps of the equivalence runs
@@ -37,7 +38,7 @@ def kernel_mask(params):
 def transform(name: str) -> optax.GradientTransformation:
   """The optimizer ``name``, the same transformation sharded or not."""
   if name == "lars":
-    return tc.lars(
+    return trust_ratio.lars(
       0.5,
       weight_decay=1e-2,
       weight_decay_mask=kernel_mask,

@@ -43,6 +43,33 @@ def test_the_old_table_api_answers_from_tuning_and_warns(name):
     tuning.no_such_name  # noqa: B018
 
 
+# Names that left ``torus_collectives.__all__``: each still answers as ``tc.NAME``.
+MOVED_NAMES = [
+  ("torus_collectives", "IMPLEMENTATIONS", "torus_collectives.registry"),
+  ("torus_collectives", "auto_implementation", "torus_collectives.registry"),
+  ("torus_collectives", "auto_rounding_bound", "torus_collectives.registry"),
+  ("torus_collectives", "lars", "torus_collectives.weight_update.trust_ratio"),
+  ("torus_collectives", "scale_by_trust_ratio", "torus_collectives.weight_update.trust_ratio"),
+  ("torus_collectives.tuning", "tune_step", "torus_collectives.tuning.step_tuning"),
+]
+
+
+@pytest.mark.parametrize(
+  "old,name,new", MOVED_NAMES, ids=[f"{old}.{name}" for old, name, _ in MOVED_NAMES]
+)
+def test_a_moved_name_answers_at_its_old_path_and_warns(old, name, new):
+  if new.endswith("trust_ratio"):
+    pytest.importorskip("optax")
+  module = importlib.import_module(old)
+  assert name not in getattr(module, "__all__", ())
+  with pytest.warns(DeprecationWarning, match=re.escape(f"use {new}.{name}")) as caught:
+    found = getattr(module, name)
+  assert found is getattr(importlib.import_module(new), name)
+  assert caught[0].filename == __file__  # the warning points at the line that used it
+  with pytest.warns(DeprecationWarning, match=re.escape(f"{old}.{name} is deprecated")):
+    getattr(module, name)  # every use warns, not only the first
+
+
 def test_the_old_tuner_command_runs_and_warns():
   run = subprocess.run(
     [sys.executable, "-m", "torus_collectives.tune", "--help"],
@@ -62,6 +89,8 @@ def test_the_changelog_names_every_deprecated_path_and_the_version_follows_it():
   for old, new, _ in MOVED_MODULES:
     assert f"`{old}`" in deprecated and f"`{new}`" in deprecated, old
   assert "`torus_collectives.tuning.tables`" in deprecated
+  for old, name, new in MOVED_NAMES:
+    assert f"`{old}.{name}`" in deprecated and f"`{new}.{name}`" in deprecated, name
   released = re.findall(r"^## \[(\d+\.\d+\.\d+)\]", changelog, re.M)
   version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
   assert released and released[0] == version

@@ -164,7 +164,7 @@ def test_3d_meshes_follow_chip_coordinates():
 def test_resnet50_gradient_is_the_kernels_alone_at_the_traffic_floor(dtype):
   """ResNet-50's gradient (25,557,032 elements, not a multiple of 128) on v5e:4x4."""
   mesh = aot_report.topology_mesh("v5e:4x4")
-  elements = aot_report.RESNET50_PARAMETERS
+  elements = aot_report.RESNET50_PARAMS
   compiled = aot_report.lower_all_reduce(mesh, elements, dtype, "pallas").compile()
   assert_kernels_alone_at_the_traffic_floor(
     compiled, mesh.size, elements * jnp.dtype(dtype).itemsize

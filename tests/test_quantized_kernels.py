@@ -358,7 +358,7 @@ def test_resnet50_gradient_int8_against_bf16_transport_compiled_alike(topology, 
   from bench import aot_report
   from bench import block_scaled_bytes_report as report
 
-  elements = aot_report.RESNET50_PARAMETERS
+  elements = aot_report.RESNET50_PARAMS
   int8 = report.measure_side(topology, elements, dtype, "int8")
   (consumer,) = int8.ops
   assert consumer["root"] and consumer["op"] == "fusion", aot_report.describe(int8.ops)

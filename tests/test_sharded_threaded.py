@@ -29,6 +29,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
+from torus_collectives.weight_update import trust_ratio
 
 pytestmark = pytest.mark.timeout(300, method="thread")
 
@@ -146,7 +147,7 @@ def test_model_collectives_and_a_norm_taking_optimizer_run_in_one_order(mode):
   interpreter, as it would a TPU). The result equals the blocking parts on lax: the
   values are integers until LARS's trust ratios, whose square roots and quotients both
   sides take of the same sums (rtol 1e-6: the ring and lax sum in different orders)."""
-  inner = tc.lars(0.125, weight_decay=0.0, trust_coefficient=1.0, eps=0.0, momentum=0.5)
+  inner = trust_ratio.lars(0.125, weight_decay=0.0, trust_coefficient=1.0, eps=0.0, momentum=0.5)
   run = functools.partial(_steps, steps=1, loss=_centred_loss, inner=inner)
   with async_interpret_mode(mode, deadlock_timeout_s=60.0):
     got = jax.block_until_ready(run("pallas")(*_inputs()))

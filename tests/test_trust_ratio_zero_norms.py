@@ -1,4 +1,5 @@
-"""tc.scale_by_trust_ratio and tc.lars on sharded leaves whose norm is zero, against optax.
+"""``scale_by_trust_ratio`` and ``lars`` (``weight_update.trust_ratio``) on sharded leaves whose
+norm is zero, against optax.
 
 optax's trust ratio is 1 where the parameter norm or the update norm is zero, so a leaf
 with zero parameters (a bias at initialization) still moves and a leaf with a zero update
@@ -14,7 +15,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import torus_collectives as tc
+from torus_collectives.weight_update import trust_ratio
 
 AXES = ("x", "y")
 
@@ -58,7 +59,7 @@ def _assert_close(ours, ref):
 @pytest.mark.parametrize("min_norm, eps", [(0.0, 0.0), (0.0, 1e-3)])
 def test_scale_by_trust_ratio_with_zero_norm_leaves_matches_optax(min_norm, eps):
   params, updates = _trees()
-  transform = tc.scale_by_trust_ratio(min_norm=min_norm, eps=eps, axis_name=AXES)
+  transform = trust_ratio.scale_by_trust_ratio(min_norm=min_norm, eps=eps, axis_name=AXES)
   ours = _sharded_update(transform, params, updates)
   ref, _ = optax.scale_by_trust_ratio(min_norm=min_norm, eps=eps).update(updates, None, params)
   _assert_close(ours, ref)
@@ -69,7 +70,7 @@ def test_scale_by_trust_ratio_with_zero_norm_leaves_matches_optax(min_norm, eps)
 def test_lars_with_zero_norm_leaves_matches_optax():
   params, updates = _trees()
   kwargs = dict(learning_rate=0.1, weight_decay=0.0, trust_coefficient=0.001, momentum=0.9)
-  ours = _sharded_update(tc.lars(**kwargs, axis_name=AXES), params, updates)
+  ours = _sharded_update(trust_ratio.lars(**kwargs, axis_name=AXES), params, updates)
   opt = optax.lars(**kwargs)
   ref, _ = opt.update(updates, opt.init(params), params)
   _assert_close(ours, ref)

@@ -9,7 +9,7 @@ table is rendered.
 * ``cache_path``, unreadable and corrupt cache files, ``latency_floor_bytes`` against
   figures derived by hand, and ``format_table``'s exact text.
 
-No test compiles anything: "auto" is asked outside any trace (``tc.auto_implementation``,
+No test compiles anything: "auto" is asked outside any trace (``registry.auto_implementation``,
 ``registry.tuned_step``), and the one tuning call times a fake case with a fake timer.
 """
 
@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import torus_collectives as tc
 from torus_collectives import registry
 from torus_collectives.tuning import tables, tuner
 
@@ -82,7 +81,7 @@ SLOWER = _entry("lax_torus", {"lax_torus": 1.3, "shard_map": 1.6})  # choice edi
 
 
 def _auto(op="all_reduce", nbytes=SIZE):
-  return tc.auto_implementation(op, jnp.float32, nbytes=nbytes, torus=(2, 4))
+  return registry.auto_implementation(op, jnp.float32, nbytes=nbytes, torus=(2, 4))
 
 
 def _install(table, how, tmp_path):
@@ -410,7 +409,9 @@ def test_the_shipped_cpu_table_is_read_silently_and_leaves_xla(monkeypatch):
     warnings.simplefilter("error", tables.TuningTableWarning)
     for op in ("all_reduce", "reduce_scatter", "all_gather", "all_reduce_gradients"):
       assert _auto(op) == "xla"
-    assert tc.auto_implementation("all_reduce", jnp.bfloat16, nbytes=SIZE, torus=(2, 4)) == "xla"
+    assert (
+      registry.auto_implementation("all_reduce", jnp.bfloat16, nbytes=SIZE, torus=(2, 4)) == "xla"
+    )
 
 
 def test_the_docs_give_the_shipped_tables_closest_call():

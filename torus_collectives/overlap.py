@@ -92,8 +92,8 @@ Assumptions and limits:
   .split_all_reduce``: today "pallas"). Any other implementation is run as
   ``value_and_grad`` followed by ``all_reduce_gradients``, unchanged (XLA's collectives are
   scheduled by XLA: ``torus_collectives.xla_settings``).
-* "auto" runs what a whole-step tuning (``tuning.tune_step``) measured for this gradient
-  tree (``registry.tuned_step``, keyed as ``all_reduce_gradients`` keys it): threaded
+* "auto" runs what a whole-step tuning (``tuning.step_tuning.tune_step``) measured for
+  this gradient tree (``registry.tuned_step``, keyed as ``all_reduce_gradients`` keys it): threaded
   where the measured implementation has split collectives, with the measured bucket size
   unless the caller gave one, since a ``make_step`` built on this function timed the
   threaded form; otherwise ``all_reduce_gradients(implementation="auto")``.
@@ -230,8 +230,8 @@ def value_and_summed_grad(
   ``shard_map`` over ``axis_name``; it differentiates with respect to the first argument.
 
   ``implementation``: ``"auto"`` (the default, as for every op) threads the summation only
-  where a whole-step tuning (``tc.tuning.tune_step``) measured a threaded implementation
-  faster on this topology, and is otherwise ``value_and_grad`` then
+  where a whole-step tuning (``tuning.step_tuning.tune_step``) measured a threaded
+  implementation faster on this topology, and is otherwise ``value_and_grad`` then
   ``all_reduce_gradients(implementation="auto")``. An implementation with split kernels
   (``"pallas"``) always threads; one without (``"xla"``, ``"shard_map"``,
   ``"lax_torus"``) is ``value_and_grad`` then ``all_reduce_gradients`` with it. An unknown

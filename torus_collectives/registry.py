@@ -65,8 +65,11 @@ import jax.numpy as jnp
 from torus_collectives import _jax_internals as jax_internals
 from torus_collectives import target
 from torus_collectives.configs import KernelConfig
-from torus_collectives.norm.passes import REFERENCE, Passes
+from torus_collectives.topology import MAX_TORUS_AXES
 from torus_collectives.tuning import tables
+
+if typing.TYPE_CHECKING:
+  from torus_collectives.norm.passes import Passes
 
 # The type of every ``implementation=`` argument. "auto", the default of every op: XLA
 # unless a tuning table measured a torus implementation faster for the call and that
@@ -85,10 +88,6 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 
 _SUMMED = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32))
 _FLOATS = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
-
-# The torus implementations run on tori of at most this many named mesh axes (TPU v4 and
-# v5p are 3-D tori).
-MAX_TORUS_AXES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +164,12 @@ class Backend:
     )
 
 
+def _load_reference_batch_norm() -> Passes:
+  from torus_collectives.norm import passes
+
+  return passes.REFERENCE
+
+
 def _load_shard_map() -> CollectiveBackend:
   from torus_collectives.backends import shard_map as impl
 
@@ -229,7 +234,7 @@ register(
     max_torus_axes=None,
     gather_to=None,
     unreduced_inputs=True,
-    load_batch_norm=lambda: REFERENCE,
+    load_batch_norm=_load_reference_batch_norm,
   )
 )
 register(

@@ -30,7 +30,9 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from torus_collectives.registry import MAX_TORUS_AXES as MAX_AXES
+# The torus implementations run on tori of at most this many named mesh axes (TPU v4 and
+# v5p are 3-D tori).
+MAX_TORUS_AXES = 3
 
 
 def most_square_shape(num_devices: int) -> tuple[int, int]:
@@ -104,8 +106,8 @@ def make_torus_mesh(
     raise ValueError(f"{shape=} and {axis_names=} must have the same length")
   if any(n < 1 for n in shape):
     raise ValueError(f"{shape=}: every mesh axis needs at least one device")
-  if not 1 <= len(shape) <= MAX_AXES:
-    raise ValueError(f"a torus mesh has 1 to {MAX_AXES} axes, got {shape=}")
+  if not 1 <= len(shape) <= MAX_TORUS_AXES:
+    raise ValueError(f"a torus mesh has 1 to {MAX_TORUS_AXES} axes, got {shape=}")
   if len(set(axis_names)) != len(axis_names):
     raise ValueError(f"axis names must be distinct, got {axis_names=}")
   devices = list(jax.devices() if devices is None else devices)

@@ -386,8 +386,8 @@ def retune_command(entry: Entry, output: str | None = None) -> str:
   if entry.op == STEP_OP:
     into = f"output={output!r}" if output else "output=None"
     return (
-      f"torus_collectives.tuning.tune_step(make_step, args, {into}), once in each of "
-      f"{MIN_RUNS} processes"
+      f"torus_collectives.tuning.step_tuning.tune_step(make_step, args, {into}), once in "
+      f"each of {MIN_RUNS} processes"
     )
   return f"{mesh} --ops= --gradient-sizes= --batch-norm-shapes=NxHxWxC{to}"
 

@@ -429,7 +429,7 @@ def validate(table: tables.Table, fresh: Sequence[tables.Table]) -> list[Verdict
     if not runs:
       why = {
         "batch_norm": "batch norm: its shape is not recorded",
-        tables.STEP_OP: "a train step: tune it again with tuning.tune_step",
+        tables.STEP_OP: "a train step: tune it again with tuning.step_tuning.tune_step",
       }.get(entry.op, f"needs {entry.topology} on this device count, or was not timed")
       verdicts.append(Verdict(entry, [], None, why))
       continue

@@ -65,8 +65,8 @@ def scale_by_trust_ratio(
     ValueError: when its ``update`` is called without ``params``.
     UnshardableTransformError: inside ``sharded_update`` with ``axis_name`` over its own
       axes, when traced (build it with ``axis_name=None`` there).
-    ImportError: on first access (``tc.scale_by_trust_ratio``) without optax: install
-      it with ``pip install 'torus-collectives[optax]'``.
+    ImportError: on import of this module without optax: install it with
+      ``pip install 'torus-collectives[optax]'``.
   """
 
   def update_fn(updates, state, params=None):
@@ -137,7 +137,7 @@ def lars(
     ValueError: when its ``update`` is called without ``params``.
     UnshardableTransformError: inside ``sharded_update`` with ``axis_name`` over its own
       axes, when traced (build it with ``axis_name=None`` there).
-    ImportError: on first access (``tc.lars``) without optax: install it with
+    ImportError: on import of this module without optax: install it with
       ``pip install 'torus-collectives[optax]'``.
   """
   return optax.chain(
