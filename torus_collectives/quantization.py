@@ -119,8 +119,10 @@ class BlockScaled:
         "transport dtype such as bfloat16, cast the input instead"
       )
     object.__setattr__(self, "dtype", name)
-    if not isinstance(self.block_size, int) or self.block_size < 1:
-      raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+    size = self.block_size
+    if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
+      raise ValueError(f"block_size must be a positive int, got {size!r}")
+    object.__setattr__(self, "block_size", int(size))
 
   @property
   def levels(self) -> float:

@@ -233,8 +233,8 @@ def sharded_update(
     bucket's gather runs while the forward pass computes and each bucket's reduce-scatter
     while the backward pass does (``weight_update.threaded``).
   """
-  if bucket_bytes <= 0:
-    raise ValueError(f"{bucket_bytes=} must be positive")
+  if not bucket_bytes > 0 or not math.isfinite(bucket_bytes):  # NaN fails both
+    raise ValueError(f"{bucket_bytes=} must be positive and finite, as in all_reduce_gradients")
   if transport_dtype is not None and not quantization.is_block_scaled(transport_dtype):
     raise ValueError(
       f"sharded_update's transport_dtype takes a block-scaled format (jnp.int8, an fp8 "
