@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from torus_collectives import registry
-from torus_collectives.check import calibrate, cases, report
+from torus_collectives.check import calibrate, cases, report, step
 from torus_collectives.sizes import KiB, MiB
 from torus_collectives.tuning import tables
 
@@ -117,6 +117,7 @@ def test_a_quick_dry_run_reports_what_ran(tmp_path):
     "--tori=8",
     "--max-bytes=16KiB",
     "--no-install",
+    "--train-step=off",  # the next test times it
   )
   assert status == 0, stdout
   verdict = "PASS: all 3 correctness cases agree with jax.lax (dry run on simulated CPU devices)"
@@ -152,6 +153,73 @@ def test_a_quick_dry_run_reports_what_ran(tmp_path):
   numbers = _json_numbers(results)
   missing = [t for t in _numbers_in_tables(md) if not _held(t, numbers)]
   assert not missing, missing
+
+
+@pytest.mark.slow
+def test_the_train_step_rows_are_reported_as_measured_or_skipped_with_reasons(tmp_path):
+  status, stdout, results, md = _check(
+    tmp_path,
+    "--quick",
+    "--only=measure",
+    "--train-step=only",
+    "--step-variants=xla,pallas,threaded,weight_update_sharding,xla_settings",
+    "--step-rounds=3",
+  )
+  assert status == 0, stdout
+  stage = results["train_step"]
+  assert stage["ran"] and not results["measure"]["ran"]
+  # Off TPU: the baseline and weight-update sharding timed, at 2 per replica, the Pallas
+  # variants and the libtpu flags skipped with their reasons.
+  by_variant = {r["variant"]: r for r in stage["rows"]}
+  assert {v: r["status"] for v, r in by_variant.items()} == {
+    "xla": "measured",
+    "pallas": "skipped",
+    "threaded": "skipped",
+    "weight_update_sharding": "measured",
+    "xla_settings": "skipped",
+  }
+  assert all(r["batch"] == 2 for r in stage["rows"])
+  assert all(r["reason"] for r in stage["rows"] if r["status"] != "measured")
+  sharded = by_variant["weight_update_sharding"]
+  assert sharded["images_per_s"] > 0 and sharded["ci_low"] <= sharded["ratio"] <= sharded["ci_high"]
+  assert all(
+    r["prediction_note"] == step.NO_PREDICTION for r in stage["rows"] if "images_per_s" in r
+  )
+  # The report lists exactly the rows of results.json, each with its status and reason.
+  section = md[md.index("## ResNet train step") : md.index("## Plots")]
+  listed = re.findall(r"^\| (\w+) \| (\d+) \| (\w+) \|.*\| ([^|]*) \|$", section, re.M)
+  want = [(r["variant"], str(r["batch"]), r["status"]) for r in stage["rows"]]
+  assert [row[:3] for row in listed] == want
+  for (variant, _, state, note), r in zip(listed, stage["rows"]):
+    assert state != "skipped" or note == r["reason"], variant
+  numbers = _json_numbers(results)
+  missing = [t for t in _numbers_in_tables(md) if not _held(t, numbers)]
+  assert not missing, missing
+  if "train_step.png" in results["plots"]:
+    assert (tmp_path / "out" / "train_step.png").stat().st_size > 0
+
+
+def test_a_train_step_variant_that_hangs_is_a_row_with_its_reason():
+  items, skipped = step.plan("tpu", quick=False, variants=("xla", "int8", "xla_settings"))
+  assert [i["id"] for i in items] == [
+    f"{v}:{b}" for b in step.TPU_BATCHES for v in ("xla", "int8", "xla_settings")
+  ]
+  assert not skipped and [i["own_process"] for i in items[:3]] == [False, False, True]
+  measured = {"status": "measured", "times": [0.5, 0.5], "global_batch": 64}
+  results = {
+    "xla:8": measured | {"grad_implementation": "xla"},
+    "int8:8": {"status": "hang", "detail": "no result within 300 s: the worker was killed"},
+    "xla_settings:8": measured | {"times": [0.25], "grad_implementation": "xla"},
+  }
+  rows = step.rows(items[:3], results, [])
+  assert [(r["variant"], r["status"]) for r in rows] == [
+    ("xla", "measured"),
+    ("int8", "hang"),
+    ("xla_settings", "measured"),
+  ]
+  assert rows[0]["images_per_s"] == 128 and "ratio" not in rows[0]
+  assert rows[1]["reason"].startswith("no result within")
+  assert rows[2]["ratio"] == 0.5 and "ci_low" not in rows[2]  # its own process: no interval
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ report, one verdict.
   package's stated bounds;
 * ``measure``: stage 2, the tuner's programs timed in interleaved rounds against XLA, and
   the nccl-tests rows (time, algbw, busbw, ratio to XLA with its interval, #wrong);
+* ``step``: stage 2 from a checkout, the ResNet example's train step per variant in
+  images/s against XLA, with ``bench.overlap_report``'s prediction on TPU;
 * ``calibrate``: stage 3, the cost model's per-hop latency and link bandwidth fitted to
   the timings, and the tuning table the package's rule makes of them;
 * ``worker`` and ``runner``: the cases run in worker processes with a watchdog per case,

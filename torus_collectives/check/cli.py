@@ -4,7 +4,8 @@
 2. correctness (``cases``, ``verify``), in workers (``runner``);
 3. measurement (``measure``), in ``--measure-runs`` (2) batches, each in fresh workers,
    so that the tuning rule's runs come from different processes; implementations that
-   failed a correctness case are not timed;
+   failed a correctness case are not timed; then, from a checkout, the ResNet example's
+   train step per variant against XLA (``step``, ``--train-step``);
 4. calibration and the tuning table (``calibrate``), in this process, from the timings;
 5. the report (``report``) and the verdict: exit status 0 when every correctness case
    that ran passed, 1 otherwise.
@@ -24,7 +25,7 @@ import time
 from collections.abc import Sequence
 
 from torus_collectives import registry
-from torus_collectives.check import calibrate, cases, measure, report, runner
+from torus_collectives.check import calibrate, cases, measure, report, runner, step
 from torus_collectives.sizes import parse_size, size_label
 from torus_collectives.tuning import tables
 
@@ -66,6 +67,19 @@ def _parser() -> argparse.ArgumentParser:
     default=tables.MIN_RUNS,
     help="measurement runs, each in fresh processes",
   )
+  add(
+    "--train-step",
+    choices=("auto", "off", "only"),
+    default="auto",
+    help="stage 2 times the ResNet example's train step where resnet/ imports (auto), "
+    "never (off), or alone, without the collectives (only)",
+  )
+  add(
+    "--step-variants",
+    default=",".join(step.VARIANTS),
+    help=f"train-step variants (default all: {','.join(step.VARIANTS)})",
+  )
+  add("--step-rounds", type=int, help="timed rounds per train-step variant (default 20; --quick 5)")
   add(
     "--no-install",
     action="store_true",
@@ -311,31 +325,82 @@ def _verdict(stage: dict | None, dry_run: bool) -> tuple[str, int]:
   )
 
 
-def _step_note() -> dict:
-  try:
-    importlib.import_module("resnet")
-    have = True
-  except ImportError:
-    have = False
-  reason = "this version of the check does not time the train step" + (
-    "; torus_collectives.tuning.tune_step times a whole step against XLA"
-    if have
-    else "; it needs the checkout's resnet/ package, which the wheel does not install"
+def _train_step(args, machine, plugins, only, durations) -> dict:
+  """Stage 2's train step (``step``): every variant at every batch, each in a worker, the
+  one under the package's XLA settings in workers of its own."""
+  if args.train_step == "off" or not {"measure", "calibrate"} & only:
+    return {"ran": False, "status": "skipped", "reason": "not run (--only or --train-step off)"}
+  if not step.available():
+    return {
+      "ran": False,
+      "status": "skipped",
+      "reason": "it needs the checkout's resnet/ package, which the wheel does not install: "
+      "run the check from a checkout of the repository",
+    }
+  start = time.perf_counter()
+  rounds = args.step_rounds or (5 if args.quick else 20)
+  items, skipped = step.plan(machine.platform, args.quick, _split(args.step_variants) or ())
+  _say(f"stage 2, train step: {len(items)} variant(s) x batch, {rounds} rounds each")
+  results: dict[str, dict] = {}
+  for own in (False, True):
+    batch = [i for i in items if i["own_process"] == own]
+    if not batch:
+      continue
+    found, _ = runner.run_batch(
+      "step",
+      batch,
+      timeout_s=args.timeout_per_case,
+      plugins=plugins,
+      rounds=rounds,
+      on_result=_progress("  ", len(items)),
+      xla_settings=own,
+    )
+    results |= found
+  rows = step.rows(items, results, skipped)
+  durations["train_step"] = round(time.perf_counter() - start, 1)
+  measured = [r for r in rows if r["status"] == "measured"]
+  described = next((r for r in results.values() if "model" in r), {})
+  what = (
+    f"{described.get('model')}, {described.get('image_size')} px {described.get('dtype')}"
+    if "model" in described
+    else "the example's model"
   )
-  return {"status": "skipped", "reason": reason}
+  note = (
+    f"{what}: resnet.train.make_train_step on every device, global batch = per-replica batch "
+    f"x {machine.device_count}, not donated; each variant timed in {rounds} rounds "
+    "interleaved with xla in its worker; images/s from the median call; t/t_xla the median "
+    "per-round time ratio with its bootstrap interval."
+  )
+  return {
+    "ran": True,
+    "status": "measured" if measured else "nothing measured",
+    "rows": rows,
+    "rounds": rounds,
+    "confidence_percent": round(100 * tables.CONFIDENCE),
+    "note": note,
+  }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  args = _parser().parse_args(argv)
+def _stages(args) -> set[str]:
+  """The stages to run; exits on an option it cannot take."""
   only = set(_split(args.only) or ())
   if not only <= set(STAGES):
     raise SystemExit(f"--only takes stages of {STAGES}, got {sorted(only - set(STAGES))}")
+  unknown = sorted(set(_split(args.step_variants) or ()) - set(step.VARIANTS))
+  if unknown:
+    raise SystemExit(f"--step-variants takes variants of {step.VARIANTS}, got {unknown}")
   if args.case:
     only = {"correctness"}
     try:
       args.case = [cases.Case.from_id(i).id for i in args.case]
     except ValueError as e:
       raise SystemExit(str(e)) from None
+  return only
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  only = _stages(args)
   if args.cpu_devices:
     os.environ["JAX_PLATFORMS"] = "cpu"
     flags = os.environ.get("XLA_FLAGS", "")
@@ -382,18 +447,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     "note": "Not run (--only).",
   }
   measured, rows = [], []
-  if "measure" in only or "calibrate" in only:
+  if args.train_step == "only":
+    measure_stage = {"ran": False, "rows": [], "note": "Not run (--train-step only)."}
+  elif "measure" in only or "calibrate" in only:
     exclude = sorted(
       {c["impl"] for c in results["correctness"]["cases"] if c["status"] in report.FAILED}
     )
     measure_stage, measured = _measure(args, machine, args.plugin, exclude, durations)
     rows = measure_stage["rows"]
   results["measure"] = measure_stage or {"ran": False, "rows": [], "note": "Not run (--only)."}
+  results["train_step"] = _train_step(args, machine, args.plugin, only, durations)
   if "calibrate" in only:
     results["calibrate"] = _calibrate(args, machine, measured, rows, durations)
   else:
     results["calibrate"] = {"ran": False, "note": "Not run (--only)."}
-  results["train_step"] = _step_note()
   verdict, code = _verdict(correctness, machine.platform == "cpu")
   results["verdict"], results["exit_code"] = verdict, code
   results["plots"], results["plots_note"] = report.plots(out, results)

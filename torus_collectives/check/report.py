@@ -4,9 +4,11 @@ Every figure the markdown shows is read from the results dictionary that is writ
 ``results.json`` (measured figures are stored rounded to the digits shown, by
 ``measure.sig``), so the two cannot disagree. The markdown puts the verdict first, then
 the failures (each with the command that reruns it alone), then the nccl-tests-style
-tables, the calibrated model beside the shipped constants, and the tuning table. The
-plots (busbw against size per implementation; the calibrated model's time against the
-measured) need matplotlib; without it the report says they were skipped.
+tables, the calibrated model beside the shipped constants, the tuning table, and the
+ResNet train step per variant (every row, measured, failed or skipped with its reason).
+The plots (busbw against size per implementation; the calibrated model's time against the
+measured; the train step's images/s per variant) need matplotlib; without it the report
+says they were skipped.
 """
 
 from __future__ import annotations
@@ -169,6 +171,45 @@ def _calibration(results: dict) -> list[str]:
   return lines
 
 
+def _train_step(results: dict) -> list[str]:
+  stage = results["train_step"]
+  lines = ["## ResNet train step", ""]
+  if not stage.get("ran"):
+    return lines + [f"{stage['status']}: {stage['reason']}", ""]
+  lines += [stage["note"], ""]
+  header = (
+    "variant",
+    "per-replica batch",
+    "status",
+    "images/s",
+    "t/t_xla",
+    f"{stage['confidence_percent']}% CI",
+    "predicted images/s",
+    "measured/predicted",
+    "note",
+  )
+  rows = []
+  for r in stage["rows"]:
+    interval = f"[{r['ci_low']:g}, {r['ci_high']:g}]" if "ci_low" in r else "-"
+    note = r.get("reason") or "; ".join(
+      filter(None, (r.get("ratio_note"), r.get("prediction_note")))
+    )
+    rows.append(
+      (
+        r["variant"],
+        r["batch"],
+        r["status"],
+        r.get("images_per_s", "-"),
+        r.get("ratio", "-"),
+        interval,
+        r.get("predicted_images_per_s", "-"),
+        r.get("measured_over_predicted", "-"),
+        note,
+      )
+    )
+  return lines + _table(header, rows)
+
+
 def markdown(results: dict) -> str:
   """``report.md``, from ``results`` alone."""
   machine = results["machine"]
@@ -193,8 +234,7 @@ def markdown(results: dict) -> str:
   lines += _correctness(results)
   lines += _measurement(results)
   lines += _calibration(results)
-  step = results["train_step"]
-  lines += ["## ResNet train step", "", f"{step['status']}: {step['reason']}", ""]
+  lines += _train_step(results)
   lines += ["## Plots", ""]
   if results["plots"]:
     lines += [f"![{p}]({p})" for p in results["plots"]] + [""]
@@ -205,7 +245,8 @@ def markdown(results: dict) -> str:
 def plots(out: pathlib.Path, results: dict) -> tuple[list[str], str | None]:
   """PNG plots into ``out``; returns (file names, a note where none could be drawn)."""
   rows = results["measure"].get("rows") or []
-  if not rows:
+  steps = [r for r in results["train_step"].get("rows") or [] if "images_per_s" in r]
+  if not rows and not steps:
     return [], "No plots: nothing was measured."
   try:
     import matplotlib
@@ -215,22 +256,11 @@ def plots(out: pathlib.Path, results: dict) -> tuple[list[str], str | None]:
   except ImportError:
     return [], "Plots skipped: matplotlib is not installed (pip install matplotlib)."
   names = []
-  ops = sorted({r["op"] for r in rows})
-  fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4), squeeze=False)
-  for ax, op in zip(axes[0], ops):
-    lines: dict[str, list] = {}
-    for r in rows:
-      if r["op"] == op:
-        lines.setdefault(f"{r['impl']} {r['type']} {r['torus']}", []).append(r)
-    for label, rs in sorted(lines.items()):
-      rs.sort(key=lambda r: r["size"])
-      ax.plot([r["size"] for r in rs], [r["busbw_GBps"] for r in rs], marker="o", label=label)
-    ax.set(xscale="log", xlabel="bytes", ylabel="busbw (GB/s)", title=op)
-    ax.legend(fontsize=6)
-  fig.tight_layout()
-  fig.savefig(out / "busbw.png", dpi=100)
-  plt.close(fig)
-  names.append("busbw.png")
+  if steps:
+    names.append(_step_plot(plt, out, steps))
+  if not rows:
+    return names, None
+  names.append(_busbw_plot(plt, out, rows))
   predicted = results["calibrate"].get("predicted") or []
   if predicted:
     fig, ax = plt.subplots(figsize=(5, 5))
@@ -247,6 +277,46 @@ def plots(out: pathlib.Path, results: dict) -> tuple[list[str], str | None]:
     plt.close(fig)
     names.append("model.png")
   return names, None
+
+
+def _busbw_plot(plt, out: pathlib.Path, rows: Sequence[dict]) -> str:
+  """busbw against size, a line per implementation, dtype and torus; a panel per op."""
+  ops = sorted({r["op"] for r in rows})
+  fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4), squeeze=False)
+  for ax, op in zip(axes[0], ops):
+    lines: dict[str, list] = {}
+    for r in rows:
+      if r["op"] == op:
+        lines.setdefault(f"{r['impl']} {r['type']} {r['torus']}", []).append(r)
+    for label, rs in sorted(lines.items()):
+      rs.sort(key=lambda r: r["size"])
+      ax.plot([r["size"] for r in rs], [r["busbw_GBps"] for r in rs], marker="o", label=label)
+    ax.set(xscale="log", xlabel="bytes", ylabel="busbw (GB/s)", title=op)
+    ax.legend(fontsize=6)
+  fig.tight_layout()
+  fig.savefig(out / "busbw.png", dpi=100)
+  plt.close(fig)
+  return "busbw.png"
+
+
+def _step_plot(plt, out: pathlib.Path, steps: Sequence[dict]) -> str:
+  """Bars of the train step's images/s, a group per variant, a bar per batch."""
+  variants = list(dict.fromkeys(r["variant"] for r in steps))
+  batches = sorted({r["batch"] for r in steps})
+  width = 0.8 / len(batches)
+  fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(variants), 4))
+  for n, batch in enumerate(batches):
+    got = {r["variant"]: r["images_per_s"] for r in steps if r["batch"] == batch}
+    xs = [i + n * width for i, v in enumerate(variants) if v in got]
+    ax.bar(xs, [got[v] for v in variants if v in got], width, label=f"{batch} per replica")
+  ax.set_xticks([i + width * (len(batches) - 1) / 2 for i in range(len(variants))])
+  ax.set_xticklabels(variants, rotation=20, fontsize=7)
+  ax.set(ylabel="images/s", title="ResNet train step")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(out / "train_step.png", dpi=100)
+  plt.close(fig)
+  return "train_step.png"
 
 
 def write(out: pathlib.Path, results: dict) -> None:

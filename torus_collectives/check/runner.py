@@ -176,9 +176,11 @@ def run_batch(
   startup_s: float = STARTUP_S,
   on_result: Callable[[str, dict], None] | None = None,
   on_worker: Callable[[str], None] | None = None,
+  xla_settings: bool = False,
 ) -> tuple[dict[str, dict], list[str]]:
   """Runs ``items`` (case ids, or measurement dicts with an ``id``) in workers; returns
-  ``({id: result}, [process id of every worker that came up])``."""
+  ``({id: result}, [process id of every worker that came up])``. With ``xla_settings``
+  the workers set the package's libtpu flags before their backend starts."""
   ids = [i if isinstance(i, str) else i["id"] for i in items]
   by_id = dict(zip(ids, items))
   results: dict[str, dict] = {}
@@ -200,6 +202,7 @@ def run_batch(
         "interpret": interpret,
         "plugins": list(plugins),
         "rounds": rounds,
+        "xla_settings": xla_settings,
       }
       if on_worker:
         on_worker(f"worker started for {len(remaining)} case(s)")

@@ -2,8 +2,10 @@
 
 ``python -m torus_collectives.check.worker SPEC.json``, started by ``runner``; it is the
 only kind of process of the check that initialises a jax backend (on a TPU, one process
-at a time holds the chips). The spec: ``{"kind": "probe" | "correctness" | "measure",
-"cases": [...], "interpret": bool, "plugins": [module, ...], "rounds": int}``.
+at a time holds the chips). The spec: ``{"kind": "probe" | "correctness" | "measure" |
+"step", "cases": [...], "interpret": bool, "plugins": [module, ...], "rounds": int,
+"xla_settings": bool}``; with ``xla_settings`` the package's libtpu flags
+(``torus_collectives.xla_settings``) are set before any backend starts.
 
 Protocol, on stdout, one JSON object per line after the marker ``@@check`` (other output,
 from jax or a plugin, is ignored; logs go to stderr):
@@ -78,11 +80,15 @@ def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   with open(argv[0]) as f:
     spec = json.load(f)
+  if spec.get("xla_settings"):
+    from torus_collectives import xla_settings
+
+    xla_settings.apply()
   for module in spec.get("plugins", []):
     importlib.import_module(module)
   import jax
 
-  from torus_collectives.check import cases, measure, verify
+  from torus_collectives.check import cases, measure, step, verify
   from torus_collectives.tuning import tables
 
   jax.devices()  # the backend up before the first case's clock starts
@@ -98,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
       if spec["kind"] == "correctness":
         result = verify.run(cases.Case.from_id(case_id), spec.get("interpret", False))
+      elif spec["kind"] == "step":
+        result = step.time_item(item, spec["rounds"])
+        result["status"] = "measured"
       else:
         result = measure.time_case(cases.Measure.from_dict(item), spec["rounds"])
         result["status"] = "measured"
