@@ -121,15 +121,13 @@ LEDGER: tuple[Derived, ...] = (
   ),
   Derived(
     "docs/transport.md",
-    "asserts at most {b44} and {b1616} for the bfloat16 gradients on v5e:4x4 and v5e:16x16, "
-    "and {f44} for the float32 gradient on v5e:4x4",
+    "asserts at most {bf16} for the bfloat16 gradient and {f32} for the float32 gradient on "
+    "v5e:4x4",
     quoted(
       "tests/test_quantized_kernels.py",
-      r'\("v5e:4x4", jnp\.bfloat16, ([\d.]+)\),\s*\("v5e:4x4", jnp\.float32, ([\d.]+)\),'
-      r'\s*\("v5e:16x16", jnp\.bfloat16, ([\d.]+)\)',
-      "b44",
-      "f44",
-      "b1616",
+      r'\("v5e:4x4", jnp\.bfloat16, ([\d.]+)\),\s*\("v5e:4x4", jnp\.float32, ([\d.]+)\),',
+      "bf16",
+      "f32",
     ),
   ),
   Derived(

@@ -339,9 +339,8 @@ def test_compiled_bytes_against_the_bfloat16_kernel_on_v5e_4x4():
   [
     ("v5e:4x4", jnp.bfloat16, 0.63),
     ("v5e:4x4", jnp.float32, 0.75),
-    ("v5e:16x16", jnp.bfloat16, 0.5),
   ],
-  ids=["v5e:4x4-bf16", "v5e:4x4-f32", "v5e:16x16-bf16"],
+  ids=["v5e:4x4-bf16", "v5e:4x4-f32"],
 )
 def test_resnet50_gradient_int8_against_bf16_transport_compiled_alike(topology, dtype, bound):
   """ResNet-50's gradient (25,557,032 elements, no multiple of 128) as one buffer, the sum
