@@ -413,9 +413,10 @@ def auto_rounding_bound(op: str, dtype, group_size: int) -> float:
 
   if op == "pmean":
     return 2 * gamma(p) / p
-  if op in ("all_reduce", "psum", "reduce_scatter", "psum_scatter", "all_reduce_gradients"):
+  summing = ("all_reduce", "psum", "reduce_scatter", "psum_scatter", "all_reduce_gradients")
+  if op in summing:
     return 2 * gamma(p - 1)
-  raise ValueError(f"no rounding bound for {op=}")
+  raise ValueError(f"no rounding bound for {op=}: pass one of {('all_gather', 'pmean', *summing)}")
 
 
 def auto_implementation(

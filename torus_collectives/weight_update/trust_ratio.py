@@ -71,7 +71,9 @@ def scale_by_trust_ratio(
 
   def update_fn(updates, state, params=None):
     if params is None:
-      raise ValueError("scale_by_trust_ratio needs params")
+      raise ValueError(
+        "scale_by_trust_ratio needs params: call update(updates, state, params), as optax.lars does"
+      )
     leaves, treedef = jax.tree.flatten(updates)
     param_leaves = treedef.flatten_up_to(params)
     if not leaves:
