@@ -102,11 +102,12 @@ Assumptions and limits:
 * The pins and the packing still cost compute: by the compiler's estimate for ResNet-50
   on v5e:16x16 the threaded step computes more than the blocking one, and more than the
   transfer it hides, so it is not faster than XLA's default step (``bench.overlap_report
-  --grad-overlap on`` against ``off``; the figures, by op category, are in the
-  documentation's design log). The costs: the batch norms' backward reductions run apart
-  from the convolutions that the blocking step fuses them into, slices of the summed
-  parts that the update writes out, concatenations of leaves cut from two stream parts,
-  the cut of each packed bucket into its streams' parts, and elementwise work.
+  --grad-overlap on``, against ``--implementation xla``; compiler estimates and the cost
+  model, with the figures by op category in the documentation's design log). The costs:
+  the batch norms' backward reductions run apart from the convolutions that the blocking
+  step fuses them into, slices of the summed parts that the update writes out,
+  concatenations of leaves cut from two stream parts, the cut of each packed bucket into
+  its streams' parts, and elementwise work.
 * The tail's windows are its units, one or more a window; a leaf's update pass is never
   split. ResNet-50's is a few large kernel updates beside many small scales; spaced
   evenly in bytes (``_call_spacing``), every call of the last buckets gets a window with
