@@ -5,8 +5,8 @@ kernels, both compiled and consumed the same way: a markdown table and a JSON fi
   JAX_PLATFORMS=cpu python -m bench.block_scaled_bytes_report [--out PATH] [--json PATH]
 
 ``--json`` defaults to ``--out`` with the suffix ``.json``. Each row compiles two programs
-ahead of time, with libtpu on a CPU host (``aot_report.topology_mesh``), over the same v5e
-topology's 2-D mesh, on the same gradient: one flat buffer of ``aot_report.RESNET50_PARAMS``
+ahead of time, with libtpu on a CPU host (``aot.topology_mesh``), over the same v5e
+topology's 2-D mesh, on the same gradient: one flat buffer of ``aot.RESNET50_PARAMS``
 elements per device, of the row's dtype, in a ``shard_map`` over every mesh axis. The two
 programs differ only in the transport; each takes the gradient in its own dtype, returns
 the result in that dtype and consumes the sum inside the program (``2 *``, as a train step's
@@ -27,7 +27,7 @@ runs on a TPU):
   ``tests/test_kernel_accounting.py``) plus XLA's own ops (the casts, the ``2 *``). The
   ratio is int8 program over bfloat16 program.
 * of which the kernels: the ``pl.CostEstimate`` bytes accessed of the program's Pallas
-  calls (``aot_report.pallas_calls``); the bfloat16 kernels' are their floor 7 (p-1)/p S.
+  calls (``aot.pallas_calls``); the bfloat16 kernels' are their floor 7 (p-1)/p S.
 * wire bytes: the ``pl.CostEstimate`` remote bytes of the same calls, what one device sends
   (priced from the schedule the kernels execute); no HBM traffic, kept apart from it.
 
@@ -55,10 +55,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
-from bench import aot_report
 from torus_collectives import schedule as schedule_lib
 from torus_collectives.kernels import quantized_kernels as qk
-from torus_collectives.layout import ceil_div
+from torus_collectives.testing import aot
+from torus_collectives.tiling import ceil_div
 
 CONFIGS = (
   ("v5e:4x4", "bfloat16"),
@@ -89,7 +89,7 @@ def compile_per_device(
   """(mesh, compiled): ``fn`` of each device's ``[elements]`` buffer of ``dtype``, in a
   ``shard_map`` over ``topology``'s 2-D mesh, compiled ahead of time. ``fn`` defaults to
   the int8 kernel's all-reduce over every mesh axis, its result the program's output."""
-  mesh = aot_report.topology_mesh(topology)
+  mesh = aot.topology_mesh(topology)
   axes = tuple(mesh.axis_names)
   torus = tuple(mesh.shape[a] for a in axes)
   fn = fn or (lambda v: qk.quantized_all_reduce(v, axes, torus))
@@ -113,14 +113,11 @@ def consumed_all_reduce(transport: str) -> Callable:
   result in the input's dtype and consumed by ``2 *``."""
   if transport == "int8":
     return lambda v: (
-      2 * tc.all_reduce(v, aot_report.AXES, implementation="pallas", transport_dtype=jnp.int8)
+      2 * tc.all_reduce(v, aot.AXES, implementation="pallas", transport_dtype=jnp.int8)
     )
   if transport == "bfloat16":
     return lambda v: (
-      2
-      * tc.all_reduce(v.astype(jnp.bfloat16), aot_report.AXES, implementation="pallas").astype(
-        v.dtype
-      )
+      2 * tc.all_reduce(v.astype(jnp.bfloat16), aot.AXES, implementation="pallas").astype(v.dtype)
     )
   raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
 
@@ -132,23 +129,23 @@ class Side:
   hbm_bytes: float  # cost_analysis bytes accessed of the whole program
   kernel_bytes: float  # of which the Pallas calls' declared bytes accessed
   wire_bytes: float  # the Pallas calls' declared remote bytes (sent; not HBM)
-  ops: tuple[dict, ...]  # XLA's ops outside the kernels (aot_report.glue)
+  ops: tuple[dict, ...]  # XLA's ops outside the kernels (aot.glue)
 
 
 def measure_side(topology: str, elements: int, dtype, transport: str) -> Side:
   """Compiles ``consumed_all_reduce(transport)`` of ``elements`` of ``dtype`` per device
   over ``topology`` and reads its bytes, and its kernels' declarations from its jaxpr."""
-  mesh = aot_report.topology_mesh(topology)
+  mesh = aot.topology_mesh(topology)
   program, arg = _per_device(mesh, elements, consumed_all_reduce(transport), dtype)
   compiled = program.lower(arg).compile()
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     jaxpr = jax.make_jaxpr(program)(arg).jaxpr
-    costs = [eqn.params["cost_estimate"] for eqn in aot_report.pallas_calls(jaxpr, mesh)]
+    costs = [eqn.params["cost_estimate"] for eqn in aot.pallas_calls(jaxpr, mesh)]
   return Side(
-    aot_report.summary(compiled)["bytes accessed"],
+    aot.summary(compiled)["bytes accessed"],
     sum(c.bytes_accessed for c in costs),
     sum(c.remote_bytes_transferred for c in costs),
-    tuple(aot_report.glue(compiled)),
+    tuple(aot.glue(compiled)),
   )
 
 
@@ -171,13 +168,11 @@ class Row:
     return self.int8.wire_bytes / self.bf16.wire_bytes
 
 
-def measure(topology: str, dtype: str, elements: int = aot_report.RESNET50_PARAMS) -> Row:
+def measure(topology: str, dtype: str, elements: int = aot.RESNET50_PARAMS) -> Row:
   """One row: both sides compiled on ``topology`` for a gradient of ``dtype``."""
-  devices = aot_report.topology_mesh(topology).size
+  devices = aot.topology_mesh(topology).size
   int8, bf16 = (measure_side(topology, elements, dtype, t) for t in TRANSPORTS)
-  return Row(
-    topology, dtype, devices, elements, int8, bf16, aot_report.ideal_bytes(devices, 2 * elements)
-  )
+  return Row(topology, dtype, devices, elements, int8, bf16, aot.ideal_bytes(devices, 2 * elements))
 
 
 def format_tables(rows: Sequence[Row]) -> str:
@@ -219,7 +214,7 @@ def format_checks(rows: Sequence[Row]) -> str:
     for name, side in (("int8", r.int8), ("bf16", r.bf16)):
       lines.append(
         f"- {r.topology}, {r.dtype}, {name} program: XLA's ops outside the kernels "
-        f"{(side.hbm_bytes - side.kernel_bytes) / MB:.1f} MB: {aot_report.describe(side.ops)}"
+        f"{(side.hbm_bytes - side.kernel_bytes) / MB:.1f} MB: {aot.describe(side.ops)}"
       )
     lines.append(
       f"- {r.topology}, {r.dtype}: bf16 kernels' declared bytes {r.bf16.kernel_bytes / MB:.1f} "
@@ -278,7 +273,7 @@ def report(configs=CONFIGS) -> tuple[str, dict, float]:
     f"`{COMMAND}`. Compiler estimates, not measurements: ahead-of-time compiles for v5e "
     "topologies with libtpu on a CPU host, nothing run on a TPU. Both sides are whole "
     "programs over the same mesh and the same gradient, ResNet-50's "
-    f"({aot_report.RESNET50_PARAMS:,} elements, one buffer per device), taken in the "
+    f"({aot.RESNET50_PARAMS:,} elements, one buffer per device), taken in the "
     "gradient's dtype, returned in it and consumed inside the program by `2 *` (as an "
     "update reads the sum, so no output copy on either side): int8 is "
     '`2 * tc.all_reduce(v, axes, implementation="pallas", transport_dtype=jnp.int8)` '

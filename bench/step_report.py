@@ -31,10 +31,10 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bench.aot_report import topology_mesh
 from resnet import models
 from torus_collectives import groups
 from torus_collectives.norm import linen as tc_nn
+from torus_collectives.testing.aot import topology_mesh
 from torus_collectives.tuning import tables
 
 IMPLEMENTATIONS = ("xla", "pallas", "auto", "auto-measured")

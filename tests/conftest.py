@@ -42,13 +42,13 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 # all-reduce), so with 8 threads for 8 devices the pool can run out while a device's next
 # step waits in its queue, and the step never finishes (seen on every run of the threaded
 # sharded ResNet step in interpret mode). 64 threads give each of 16 simulated devices more than
-# the two it can block; tests/async_interpret.py checks the pool on entry.
+# the two it can block; torus_collectives.testing.split_interpret checks the pool on entry.
 os.environ.setdefault("NPROC", "64")
 # In TPU interpret mode each simulated device runs its kernels in Python, the eight of them
 # sharing two cores and the GIL, so a device can reach a collective minutes after its
 # peers; XLA's CPU runtime aborts the whole process when a rendezvous waits 40 s. Give
 # it 10 min: a real hang is still ended by pytest-timeout and by the interpreter
-# extension's deadlock watchdog (tests/async_interpret.py), with the stacks printed.
+# extension's deadlock watchdog (torus_collectives.testing.split_interpret), stacks printed.
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "")
   + " --xla_force_host_platform_device_count=8"

@@ -21,9 +21,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
-from bench import hlo_schedule, overlap_report
-from bench.aot_report import topology_mesh
+from bench import overlap_report
 from torus_collectives import xla_settings
+from torus_collectives.testing import hlo_schedule
+from torus_collectives.testing.aot import topology_mesh
 
 settings, hlo_path = sys.argv[1:3]
 if settings == "package":

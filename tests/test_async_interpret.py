@@ -1,4 +1,4 @@
-"""The split-call extension of TPU interpret mode (``async_interpret``) on 8 simulated CPU
+"""The split-call extension of TPU interpret mode (``split_interpret``) on 8 simulated CPU
 devices: a remote DMA started by one ``pallas_call``, XLA compute in between, and waited by
 a later call, exact against ``lax.ppermute``; and the mistakes it must report instead of
 returning wrong data or hanging (a missing wait, a wait on the wrong semaphore, a read of
@@ -9,13 +9,17 @@ the race detector on.
 import os
 import time
 
-import async_interpret
 import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from async_interpret import (
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from torus_collectives.testing import split_interpret
+from torus_collectives.testing.split_interpret import (
   CPU_POOL_THREADS_PER_DEVICE,
   SUPPORTED_JAX_VERSION,
   AsyncInterpretError,
@@ -27,9 +31,6 @@ from async_interpret import (
   cpu_pool_problem,
   cpu_pool_threads,
 )
-from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 # A hang must fail the test, not the run: the extension's own deadlock check fires first.
 pytestmark = [pytest.mark.interpret, pytest.mark.timeout(300, method="thread")]
@@ -323,7 +324,7 @@ def test_cpu_pool_problem_names_the_fix():
 
 
 def test_block_refuses_a_small_cpu_pool(monkeypatch):
-  monkeypatch.setattr(async_interpret, "cpu_pool_threads", lambda: 8)
+  monkeypatch.setattr(split_interpret, "cpu_pool_threads", lambda: 8)
   with pytest.raises(AsyncInterpretError, match="Set the environment variable NPROC"):
     with async_interpret_mode("on_wait"):
       pass

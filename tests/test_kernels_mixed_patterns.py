@@ -23,7 +23,7 @@ Two checks:
 * a split torus all-reduce (``kernels.split_collectives``: a bucket in flight) with the
   blocking kernels of the step between its calls -- the batch-norm ring on ``y``, the 2-D
   all-reduce, reduce-scatter and all-gather -- runs through the split-call extension
-  (``async_interpret``) in both DMA modes, race detector on, and matches lax exactly on
+  (``testing.split_interpret``) in both DMA modes, race detector on, and matches lax exactly on
   integers; the extension's exit checks that every semaphore a split call returned was
   waited back to zero. Its split calls carry collective ids that no blocking kernel uses,
   and one id per pattern.
@@ -43,7 +43,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from async_interpret import async_interpret_mode
 from device_count_subprocess import run_as_script
 from jax import lax
 from jax.sharding import AxisType
@@ -51,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
 from torus_collectives.kernels import split_collectives
+from torus_collectives.testing.split_interpret import async_interpret_mode
 
 AXES = ("x", "y")
 CHANNELS = 24  # per-channel statistics of the batch-norm group sum
@@ -124,10 +124,10 @@ def _kernel_patterns(jaxpr, mesh) -> dict[int, set]:
   """collective id -> the (kernel name, streams) patterns of the pallas_calls using it:
   streams is the first dimension of the kernel's first DMA semaphore array (1 for a
   single semaphore, as a split call's)."""
-  from bench import aot_report  # kernels inside the torus primitives, as the report finds them
+  from torus_collectives.testing import aot  # kernels inside the torus primitives too
 
   ids: dict[int, set] = {}
-  for eqn in aot_report.pallas_calls(jaxpr, mesh):
+  for eqn in aot.pallas_calls(jaxpr, mesh):
     cid = eqn.params["compiler_params"].collective_id
     sems = [v.aval.shape for v in eqn.params["jaxpr"].invars if "dma_sem" in str(v.aval)]
     ids.setdefault(cid, set()).add((eqn.params["name"], sems[0][0] if sems and sems[0] else 1))

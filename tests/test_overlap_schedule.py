@@ -1,4 +1,4 @@
-"""The scheduled-program reader and timeline of ``bench.hlo_schedule``, on programs whose
+"""The scheduled-program reader and timeline of ``testing.hlo_schedule``, on programs whose
 answer is computed by hand, and the order in which gradient buckets are issued."""
 
 import dataclasses
@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
-from bench import hlo_schedule
 from torus_collectives import xla_settings
+from torus_collectives.testing import hlo_schedule
 
 CLOCK = 1e9  # 1 cycle = 1 ns
 
@@ -202,7 +202,7 @@ def test_the_report_counts_the_data_parallel_collectives():
 
 
 def _split_call(name, call, operands, bucket="bucket_0", ccw=False):
-  """A split all-gather call along "x" (``kernels.async_torus``) in a bucket's scope,
+  """A split all-gather call along "x" (``kernels.split_rings``) in a bucket's scope,
   sending to the next device (``ccw``: the previous one)."""
   result = "f32[4096]{0}" if call == "done" else "(f32[4096]{0}, s32[]{:S(2)}, s32[]{:S(2)})"
   pattern = "async_all_gather_ccw" if ccw else "async_all_gather"

@@ -52,6 +52,8 @@ def test_wheel_has_one_top_level_package(wheel):
   assert top_level == {"torus_collectives"}
   assert "torus_collectives/kernels/torus_kernels.py" in names
   assert "torus_collectives/kernels/pallas_backend.py" in names
+  for name in ("__init__.py", "aot.py", "hlo_schedule.py", "split_interpret.py", "README.md"):
+    assert f"torus_collectives/testing/{name}" in names
   assert any(n.startswith("torus_collectives/tuning/tuned/") and n.endswith(".json") for n in names)
   assert not any(
     n.startswith(("torus_collectives/resnet", "torus_collectives/bench")) for n in names
@@ -183,6 +185,7 @@ CORE_PROGRAM = textwrap.dedent(
     assert "pip install 'torus-collectives[optax]'" in str(e), e
   else:
     raise AssertionError("sharded_update loaded without optax")
+  from torus_collectives.testing import aot, hlo_schedule, split_interpret  # without libtpu
   print("ok")
   """
 )
@@ -211,7 +214,8 @@ def _distribution_closure(names: list[str]) -> set[str]:
 def test_core_runs_with_jax_and_numpy_only(wheel, tmp_path):
   """In an environment with the wheel, jax and numpy (and what they require) only: the
   collectives, gradient summation, batch norm and the tuner import and run, load neither
-  optax, flax, matplotlib nor Pallas, and ``sharded_update`` names the extra to install."""
+  optax, flax, matplotlib nor Pallas, and ``sharded_update`` names the extra to install;
+  the tests' support (``torus_collectives.testing``) imports without libtpu."""
   from importlib import metadata
 
   python, site = _fresh_venv(wheel, tmp_path)

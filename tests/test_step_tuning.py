@@ -265,10 +265,10 @@ def test_short_real_run_on_cpu_records_xla(tmp_path, monkeypatch, bucket_sizes):
 def _threaded_program(bucket_sizes, **kwargs):
   """(the program ``value_and_summed_grad(_loss, "auto" unless told)`` traces over the
   2x4 mesh, TPU interpret mode on so that "pallas" runs here; the bucket sizes packed)."""
-  from async_interpret import async_interpret_mode
+  from torus_collectives.testing.split_interpret import async_interpret_mode
 
   mesh = harness.mesh((2, 4))
-  step = tc.value_and_summed_grad(_loss, AXES, **{"implementation": "auto", **kwargs})
+  step = tc.experimental.value_and_summed_grad(_loss, AXES, **{"implementation": "auto", **kwargs})
   body = lambda p, x, y: step(p, x, y)[1]
   f = jax.shard_map(
     body, mesh=mesh, in_specs=(jax.P(), jax.P(AXES), jax.P(AXES)), out_specs=jax.P()

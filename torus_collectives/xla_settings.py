@@ -1,7 +1,7 @@
 """The XLA/libtpu settings under which gradient collectives overlap the backward pass.
 
 What XLA's TPU compiler does (libtpu 0.0.50, compiled ahead of time for v5e; compiler
-output, read with ``bench.hlo_schedule``):
+output, read with ``testing.hlo_schedule``):
 
 * **Default flags.** Its all-reduce combiner merges every gradient all-reduce of a step
   into one synchronous collective, placed after the last backward convolution: the whole

@@ -1,4 +1,4 @@
-"""Split (start / step / done) Pallas TPU calls in TPU interpret mode: a test-side extension.
+"""Split (start / step / done) Pallas TPU calls in TPU interpret mode: an extension for tests.
 
 On a TPU a start ``pallas_call`` may return DMA semaphores (``pltpu.SemaphoreType.DMA``
 outputs in ``pltpu.SEMAPHORE``) and the buffers its DMAs are still writing; a later call
@@ -111,6 +111,36 @@ import numpy as np
 
 SUPPORTED_JAX_VERSION = "0.12.0.1"
 
+# The interpreter internals this extension replaces for the duration of a block, by
+# module of jax (``jax._src.pallas.mosaic.interpret``), and the behaviour it relies on
+# without replacing it. ``check_jax_version`` names them all.
+_INTERPRETER = "jax._src.pallas.mosaic.interpret"
+PATCHED_FUNCTIONS = (
+  "_clear_shared_memory",
+  "interpret_pallas_call",
+  "_allocate_buffer",
+  "_allocate_semaphores",
+  "dma_start",
+  "_initialize_shared_memory",
+)
+PATCHED_INTERNALS = (
+  *(f"{_INTERPRETER}.interpret_pallas_call.{name}" for name in PATCHED_FUNCTIONS),
+  f"{_INTERPRETER}.shared_memory.Semaphore.wait",
+)
+RELIED_ON = (
+  "interpret_pallas_call's order of allocation (the inputs' HBM buffers first, in operand "
+  "order, then the kernel's semaphores in operand order)",
+  "the arguments of dma_start, _allocate_buffer, _allocate_semaphores and Semaphore.wait",
+  "what it reads of interpret_pallas_call: _shared_memory, _get_shared_memory, "
+  "_shared_memory_init_lock, _update_clocks_for_global_barrier, _forward_any_to_hbm, _HBM, "
+  "fail_on_exception, get, races, DMA.execute_read, DmaState, TOKEN_SHAPE_DTYPE, "
+  "TOP_LEVEL_TOKEN_VALUE, TPU_MEMORY_SPACE_IDXS, TPU_MEMORY_SPACE_NAMES",
+  "what it reads of the shared memory: mem, sem, lock, barrier, clean_up_barrier, "
+  "num_devices, num_cores_per_device, _failure, set_failed, check_failed",
+  "what it reads of utils: get_uninitialized_value, get_uninitialized_array, "
+  "device_coords_to_logical_id",
+)
+
 # The placeholder of an in-flight buffer: MAGIC, the block's nonce, device, buffer id.
 _MAGIC = b"TCINFLT\x00"
 _HEADER = struct.Struct("<8sIii")
@@ -135,13 +165,23 @@ class KernelFailure(AsyncInterpretError):
 
 def check_jax_version(version: str | None = None) -> None:
   """Raises unless ``version`` (default: the installed jax) is the one this extension
-  wraps: it patches interpreter internals that change between jax releases."""
+  wraps: it patches interpreter internals that change between jax releases. Every
+  ``async_interpret_mode`` block calls it first, so on another jax each test that runs
+  split calls in interpret mode fails with this message, which says what to do."""
   version = jax.__version__ if version is None else version
   if version != SUPPORTED_JAX_VERSION:
     raise RuntimeError(
-      f"tests/async_interpret.py wraps TPU interpret-mode internals of jax "
-      f"{SUPPORTED_JAX_VERSION} only; this is jax {version}. Re-check the wrapped "
-      "functions (see the module docstring) against that version and update the pin."
+      f"torus_collectives.testing.split_interpret patches TPU interpret-mode internals of "
+      f"jax {SUPPORTED_JAX_VERSION} only; this is jax {version}. Every test that enters "
+      "async_interpret_mode (grep -l async_interpret_mode tests/) fails with this error; "
+      "the other tests do not use the extension. To support this jax, re-check each "
+      "patched internal against its source in this version: "
+      + ", ".join(PATCHED_INTERNALS)
+      + "; and what the extension relies on without patching: "
+      + "; ".join(RELIED_ON)
+      + ". Adapt the wrappers, run tests/test_async_interpret.py, then the other tests "
+      "that enter async_interpret_mode, and set SUPPORTED_JAX_VERSION (in "
+      "torus_collectives/testing/split_interpret.py) to this version."
     )
 
 
@@ -867,14 +907,7 @@ def async_interpret_mode(
   )
   nonce = zlib.crc32(f"{time.time_ns()}-{id(params)}".encode()) or 1
   session = Session(params=params, deadlock_timeout_s=deadlock_timeout_s, nonce=nonce)
-  originals = {
-    "_clear_shared_memory": ipc._clear_shared_memory,
-    "interpret_pallas_call": ipc.interpret_pallas_call,
-    "_allocate_buffer": ipc._allocate_buffer,
-    "_allocate_semaphores": ipc._allocate_semaphores,
-    "dma_start": ipc.dma_start,
-    "_initialize_shared_memory": ipc._initialize_shared_memory,
-  }
+  originals = {name: getattr(ipc, name) for name in PATCHED_FUNCTIONS}
   original_wait = shared_memory.Semaphore.wait
   replacements = {
     "_clear_shared_memory": lambda: None,
