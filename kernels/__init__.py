@@ -1,8 +1,16 @@
 """Pallas TPU kernels of torus-collectives, installed as ``torus_collectives.kernels``.
 
-* ``torus_kernels``: remote-DMA kernels that execute a torus ``Schedule``;
+* ``remote_dma``: the machinery the three kernel families share: the topology and ring
+  neighbours, the entry barrier, remote copies and their waits, semaphore budgets, the
+  mesh-target check;
+* ``torus_kernels``: the blocking remote-DMA kernels that execute a torus ``Schedule``;
 * ``buffer_layout``: where their grid of chunks lies in a flat buffer, and the DMAs of
   its segments that exist;
+* ``quantized_kernels``: the block-scaled (int8) all-reduce, reduce-scatter and
+  all-gather, requantizing at every hop;
+* ``split_rings``: the split ring calls (a start, per-hop steps and a done, each a
+  separate Pallas call that returns while its DMAs are on the link);
+* ``split_collectives``: a whole split collective, the schedule's chains of those calls;
 * ``pallas_backend``: the collective backend contract of ``torus_collectives.registry``
   on top of them;
 * ``batch_norm``: the per-replica batch-norm passes as fused kernels.

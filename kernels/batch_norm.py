@@ -3,7 +3,7 @@ TPU kernels that read and write the activation in XLA's TPU layout as it lies in
 
 Same contracts and ``coef`` layout as the jnp passes. A Pallas TPU operand is row-major,
 while XLA's TPU convolutions lay an NHWC activation out as H, W, N, C (major to minor).
-Each pass therefore runs on ``layout.bn_view``, the 3-D ``[R, S, C]`` view whose
+Each pass therefore runs on ``tiling.bn_view``, the 3-D ``[R, S, C]`` view whose
 row-major order is that physical order (``[H*W, N, C]``): the transpose into it and back
 compiles to bitcasts, not copies, for NHWC with a batch in whole tiles of 8. Channels
 are on lanes and S on sublanes; blocks ``(block_rows, S, block_channels)`` run over R.
@@ -45,7 +45,6 @@ from jax.experimental.pallas import tpu as pltpu
 from torus_collectives import target
 from torus_collectives._vma import varying_like
 from torus_collectives.configs import scoped_vmem_bytes, vmem_bytes
-from torus_collectives.layout import LANES, SUBLANES, ceil_div, from_bn_view, to_bn_view
 from torus_collectives.norm.block_sizes import BlockSizes
 from torus_collectives.norm.passes import (
   AFFINE_BIAS,
@@ -70,6 +69,7 @@ from torus_collectives.norm.passes import (
   SUMS_ROWS,
   Passes,
 )
+from torus_collectives.tiling import LANES, SUBLANES, ceil_div, from_bn_view, to_bn_view
 
 # ----------------------------------------------------------------------------- kernels
 

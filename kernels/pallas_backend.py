@@ -49,10 +49,10 @@ Block-scaled transport (``transport=``, ``torus_collectives.quantization``): int
 sums sent as int8 plus bfloat16 scales, requantized at every hop); other formats, block
 sizes, per-axis transport and error feedback are refused, naming ``"shard_map"``.
 
-Platforms: on TPU v4 and newer the kernels compile with Mosaic. Elsewhere they run only in
-TPU interpret mode, when the caller traces them inside
-``pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(...))``. TPU v2/v3 are refused:
-libtpu cannot compile Pallas remote DMAs for them.
+Platforms (checked by ``remote_dma.mesh_target``): on TPU v4 and newer the kernels compile
+with Mosaic. Elsewhere they run only in TPU interpret mode, when the caller traces them
+inside ``pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(...))``. TPU v2/v3 are
+refused: libtpu cannot compile Pallas remote DMAs for them.
 """
 
 from __future__ import annotations
@@ -65,7 +65,6 @@ import jax
 import jax.numpy as jnp
 
 from torus_collectives import schedule as schedule_lib
-from torus_collectives import target
 from torus_collectives._vma import ensure_varying
 from torus_collectives.configs import LANES, KernelConfig
 from torus_collectives.kernels import (
@@ -74,7 +73,8 @@ from torus_collectives.kernels import (
   split_collectives,
   torus_kernels,
 )
-from torus_collectives.layout import accumulation_dtype, ceil_div, pad_chunks, pad_to
+from torus_collectives.kernels.remote_dma import mesh_target
+from torus_collectives.tiling import accumulation_dtype, ceil_div, pad_chunks, pad_to
 
 
 def _work_dtype(dtype, config: KernelConfig | None) -> jnp.dtype:
@@ -82,26 +82,6 @@ def _work_dtype(dtype, config: KernelConfig | None) -> jnp.dtype:
   if config is not None and config.float32_partials:
     return accumulation_dtype(dtype)
   return jnp.dtype(dtype)
-
-
-def _target() -> tuple[tuple[str, ...], str]:
-  """(mesh axis names, device kind) of the ``shard_map`` being traced; checks the target."""
-  device = target.target_device()
-  kind = device.device_kind
-  if device.platform == "tpu":
-    if not target.pallas_compiles_for(kind):
-      raise NotImplementedError(
-        f"Pallas remote-DMA kernels do not compile for {kind!r}; use "
-        "implementation='shard_map' (or 'auto', which picks it) on TPU v2/v3."
-      )
-  elif not target.interpret_mode_active():
-    raise ValueError(
-      f"implementation='pallas' needs a TPU, but this computation targets {device.platform!r}. "
-      "To run the kernels on CPU in TPU interpret mode, trace the call inside "
-      "`with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):`, or use "
-      "implementation='auto'."
-    )
-  return tuple(jax.sharding.get_abstract_mesh().axis_names), kind
 
 
 def _check(x: jax.Array, axes: Sequence[str], torus: Sequence[int]) -> None:
@@ -116,7 +96,7 @@ class _Plan:
 
   def __init__(self, axes, torus, chunk_elements: int, itemsize: int, config: KernelConfig | None):
     self.axes, self.torus = tuple(axes), tuple(int(n) for n in torus)
-    self.mesh_axes, device_kind = _target()
+    self.mesh_axes, device_kind = mesh_target()
     variant = schedule_lib.default_variant(self.torus)
     rs = schedule_lib.build("reduce_scatter", self.torus, variant)
     ag = schedule_lib.build("all_gather", self.torus, variant)
@@ -202,7 +182,7 @@ def reduce_scatter(
   """``[p*m] -> [m]``: this device's chunk of the sum over the torus."""
   _check(x, axes, torus)
   if _block_scaled(transport, with_residual):
-    return quantized_kernels.quantized_reduce_scatter(x, axes, torus, _target()[0])
+    return quantized_kernels.quantized_reduce_scatter(x, axes, torus, mesh_target()[0])
   p = math.prod(torus)
   if p == 1:
     return x
@@ -230,7 +210,7 @@ def all_gather(
   """``[m] -> [p*m]``: the chunks of all devices, row-major over ``axes``."""
   _check(x, axes, torus)
   if _block_scaled(transport, False):
-    return quantized_kernels.quantized_all_gather(x, axes, torus, _target()[0])
+    return quantized_kernels.quantized_all_gather(x, axes, torus, mesh_target()[0])
   p = math.prod(torus)
   if p == 1:
     return x
@@ -255,7 +235,7 @@ def all_reduce(
   """``[n] -> [n]``: the sum over the torus, on every device."""
   _check(x, axes, torus)
   if _block_scaled(transport, with_residual):
-    return quantized_kernels.quantized_all_reduce(x, axes, torus, _target()[0])
+    return quantized_kernels.quantized_all_reduce(x, axes, torus, mesh_target()[0])
   n, p = x.size, math.prod(torus)
   if p == 1:
     return x
@@ -274,7 +254,7 @@ def split_all_reduce(x: jax.Array, axes: Sequence[str], torus: Sequence[int]):
   whole DMA words per device and stream, the padding cut off again by ``finish``. 32-bit
   types and 16-bit floats; bfloat16 travels as bfloat16."""
   _check(x, axes, torus)
-  mesh_axes, _ = _target()
+  mesh_axes, _ = mesh_target()
   axes_and_sizes = list(zip(axes, torus))
   streams = split_collectives.stream_count("all_reduce", axes_and_sizes, "torus_split")
   n = x.size
@@ -296,7 +276,7 @@ def split_reduce_scatter(x: jax.Array, axes: Sequence[str], torus: Sequence[int]
   transposition of every bucket, a copy of the whole buffer on each side of the step,
   where one stream's chunks are already in place."""
   _check(x, axes, torus)
-  mesh_axes, _ = _target()
+  mesh_axes, _ = mesh_target()
   p = math.prod(torus)
   m = x.size // p
   padded = _padded_chunk(m, torus, x.dtype.itemsize)
@@ -316,7 +296,7 @@ def split_all_gather(x: jax.Array, axes: Sequence[str], torus: Sequence[int]):
   whole DMA words, so the result is the ``[p, m']`` rows flattened, row ``d`` device
   ``d``'s padded ``x``."""
   _check(x, axes, torus)
-  mesh_axes, _ = _target()
+  mesh_axes, _ = mesh_target()
   padded = _padded_chunk(x.size, torus, x.dtype.itemsize)
   row = jnp.pad(x, (0, padded - x.size))  # 1-D: a [1, m] view would be laid out anew
   return split_collectives.SplitCollective(

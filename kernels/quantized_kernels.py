@@ -105,7 +105,7 @@ No deadlock: every device runs its events in the same order (phase, chunk, kind,
 hop, stream), and each event waits only on events earlier in that order (the piece of
 hop ``h - 1``, and the taking-in of the piece ``_SLOTS`` earlier on the same ring); a
 device grants its credit before it waits for its own. ``collective_id``:
-``torus_kernels.collective_id`` of the kind string "quantized_<collective>", so it differs
+``remote_dma.collective_id`` of the kind string "quantized_<collective>", so it differs
 from the blocking kernels' ids.
 
 HBM traffic (``cost``, checked against the DMAs counted in interpret mode by
@@ -132,6 +132,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -145,13 +146,15 @@ from torus_collectives import schedule as schedule_lib
 from torus_collectives._vma import ensure_varying
 from torus_collectives.axes import drop_unit_axes
 from torus_collectives.kernels.buffer_layout import for_each
-from torus_collectives.kernels.torus_kernels import (
-  _MAX_SEMAPHORES,
-  _Topology,
+from torus_collectives.kernels.remote_dma import (
+  MAX_SEMAPHORES,
+  Topology,
   collective_id,
+  copy_and_wait,
   mesh_coordinates,
+  mesh_target,
 )
-from torus_collectives.layout import LANES, ceil_div, pad_chunks, pad_to
+from torus_collectives.tiling import LANES, ceil_div, pad_chunks, pad_to
 
 FORMAT = quantization.BlockScaled("int8")
 LEVELS = FORMAT.levels
@@ -381,6 +384,63 @@ def needs_work_buffer(schedule: schedule_lib.Schedule) -> bool:
 
 
 # ----------------------------------------------------------------------------------------
+# The kernel's refs: pytrees that ``pallas_call`` flattens in field order (None fields hold
+# nothing) and hands to the kernel in the same shape, each field a ref named for what it holds.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+  """The VMEM rings of one piece kind, each indexed ``[stream, slot]``: a piece's int8
+  rows (``PieceKind.buf_rows`` of them) and its scale row (in the first of 8 rows)."""
+
+  recv_q: Any  # int8 rows, written by the upstream neighbour's remote DMAs
+  recv_s: Any  # scale rows, likewise
+  stage_q: Any  # int8 rows that this device's remote DMAs send
+  stage_s: Any  # scale rows, likewise
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+  """The kernel's inputs, in HBM; ``x_tail`` is None without a tail."""
+
+  x: Any  # an all-reduce's 1-D buffer (``Flat``), else the float32 grid [rows, 128]
+  x_tail: Any  # an all-reduce's last ``Flat.tail`` elements, zero-padded to whole rows
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Outputs:
+  """The kernel's outputs, in HBM; None where the collective has no such buffer."""
+
+  result: Any  # an all-reduce's 1-D result, in its input's type
+  out: Any  # the float32 grid: partial sums between two phases; an all-gather's result
+  own: Any  # a reduce-scatter's result: the own chunk's float32 sums, [S * R, 128]
+  q_gather: Any  # int8 rows of the chunks that a later phase sends
+  s_gather: Any  # their scale rows
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Scratch:
+  """The kernel's scratch: the wire's rings and semaphores, and the VMEM of local moves.
+  The last three are None but for an all-reduce (``Flat``), the last two without a tail."""
+
+  rings: tuple[_Ring, ...]  # per piece kind
+  recv_sems: Any  # DMA [stream, kind, slot]: a receive slot's piece has arrived
+  send_sems: Any  # DMA [stream, kind, slot]: a staging slot's piece has left
+  credits: Any  # REGULAR [stream, phase, kind]: receive slots the downstream device grants
+  f_buf: Any  # float32 [P, 128]: a piece's values on their way from or to HBM
+  q_buf: Any  # int8 [P, 128]: a piece quantized outside the rings
+  s_buf: Any  # int32 [8, 128]: its scale row
+  local_sems: Any  # DMA [3]: the local copies of one move
+  x_buf: Any  # a piece of the 1-D input or result, in its type
+  x_tail_buf: Any  # the padded tail rows of the input
+  tail_buf: Any  # exactly the result's last ``Flat.tail`` elements
+
+
+# ----------------------------------------------------------------------------------------
 # The kernel
 
 
@@ -393,291 +453,391 @@ def _when(condition, body) -> None:
     pl.when(condition)(lambda: (body(), None)[1])
 
 
-# One straight program, as torus_kernels' are (pyproject's per-file C901 exemption says why).
-def _kernel(schedule, topo_args, lay: QLayout, collective, flat, coords_ref, x_ref, *refs):  # noqa: C901
-  refs = list(refs)
-  xt_ref = refs.pop(0) if flat is not None and flat.tail else None  # the padded tail rows
-  res_ref = refs.pop(0) if flat is not None else None  # an all-reduce's 1-D result
-  # float32 grid: the work buffer (phase ends); an all-gather's result
-  out_ref = refs.pop(0) if flat is None or needs_work_buffer(schedule) else None
-  own_ref = refs.pop(0) if collective == "reduce_scatter" else None
-  qg, sg = (refs.pop(0), refs.pop(0)) if collective != "reduce_scatter" else (None, None)
-  rings = [tuple(refs.pop(0) for _ in range(4)) for _ in lay.kinds]  # (rq, rs, tq, ts)
-  recv_sems, send_sems, credits, f_buf, q_buf, s_buf, local = refs[:7]
-  x_buf, xt_buf, t_buf = (refs[7:] + [None] * 3)[:3]
-  topo = _Topology(*topo_args, coords_ref)
-  torus = schedule.torus
-  own_chunk = sum(c * math.prod(torus[a + 1 :]) for a, c in enumerate(topo.coords))
+def _rows_at(ref, row, rows):
+  """Rows ``[row, row + rows)`` of ``ref``."""
+  return ref.at[pl.ds(row, rows)]
 
-  def rows_at(ref, row, rows):
-    return ref.at[pl.ds(row, rows)]
 
-  # --- local moves through VMEM (synchronous) and the vector math ----------------------
-  def run_copies(pairs):
-    copies = [pltpu.make_async_copy(s, d, local.at[i]) for i, (s, d) in enumerate(pairs)]
-    for c in copies:
-      c.start()
-    for c in copies:
-      c.wait()
+def _dequantized(q_view, s_view, rows: int) -> list[jax.Array]:
+  """The float32 values of a piece of ``rows`` rows, one per compute sub-block, from its
+  int8 rows ``q_view`` and its scale row ``s_view``."""
+  words = s_view[pl.ds(0, 1), :]
+  return [
+    q_view[pl.ds(first, n), :].astype(jnp.float32) * _unpack(words, n, half)
+    for half, first, n in _sub_blocks(rows)
+  ]
 
-  def load_f32(ref, row, rows):
-    run_copies([(rows_at(ref, row, rows), f_buf.at[pl.ds(0, rows)])])
+
+def _quantize_into(values: list[jax.Array], rows: int, q_view, s_view) -> None:
+  """Quantizes a piece's float32 sub-blocks ``values`` into its int8 rows ``q_view`` and
+  its scale row ``s_view`` (the second sub-block's scales in the high halves)."""
+  words = None
+  for (half, first, n), v in zip(_sub_blocks(rows), values):
+    q, w = _quantize(v)
+    q_view[pl.ds(first, n), :] = q
+    w = lax.shift_left(w, 16 * half) if half else w
+    words = w if words is None else words | w
+  s_view[pl.ds(0, 1), :] = words
+
+
+class _Hop:
+  """One event of a ring: hop ``h`` of piece ``k`` (of kind ``ki``) of the ``j``-th chunk
+  of ``run``'s slabs (``j`` and ``k`` may be traced), with its piece's place in the stream
+  slice and the staging slot it is sent from (None after the last hop)."""
+
+  def __init__(self, lay: QLayout, run: PhaseRun, j, ki: int, k, h: int):
+    self.run, self.j, self.ki, self.k, self.h = run, j, ki, k, h
+    self.kind = lay.kinds[ki]
+    offset = self.kind.first + k * self.kind.rows
+    self.offset = offset if isinstance(offset, int) else pl.multiple_of(offset, 32)
+    self.piece = self.kind.index + k  # its index in the stream slice
+    self.sending = h < run.hops
+    self.slot = self.seq(h) % _SLOTS if self.sending else None
+
+  def seq(self, hop: int):
+    """The ring's piece number of this piece position at ``hop``; both ends of the ring
+    count its pieces in this order."""
+    return (self.j * self.kind.count + self.k) * self.run.hops + hop
+
+
+class _Device:
+  """This device's side of one kernel call: its refs, its place on the torus and the
+  moves of the schedule (module docstring), by section: local moves through VMEM, an
+  all-reduce's 1-D input and result (``Flat``), the wire (one ``_Hop`` at a time), and the
+  rings of a group of phases. Python values (layout, schedule, piece kinds) decide at
+  trace time what is traced; chunk and piece indices inside loops are traced."""
+
+  def __init__(
+    self,
+    inputs: _Inputs,
+    outputs: _Outputs,
+    scratch: _Scratch,
+    topo: Topology,
+    schedule: schedule_lib.Schedule,
+    lay: QLayout,
+    flat: Flat | None,
+  ):
+    self.inputs, self.outputs, self.scratch = inputs, outputs, scratch
+    self.topo, self.lay, self.flat, self.torus = topo, lay, flat, schedule.torus
+    self.own_chunk = sum(  # row-major over the torus coordinates
+      c * math.prod(self.torus[a + 1 :]) for a, c in enumerate(topo.coords)
+    )
+
+  # --- local moves through VMEM (synchronous) -------------------------------------------
+  def copy(self, pairs) -> None:
+    """Copies each (source, destination) pair, all at once, and waits for them all (at
+    most 3 pairs: one local semaphore each)."""
+    local = self.scratch.local_sems
+    copy_and_wait(pltpu.make_async_copy(s, d, local.at[i]) for i, (s, d) in enumerate(pairs))
+
+  def load_f32(self, ref, row, rows: int) -> list[jax.Array]:
+    """The float32 rows ``[row, row + rows)`` of ``ref``, by sub-block, through ``f_buf``."""
+    f_buf = self.scratch.f_buf
+    self.copy([(_rows_at(ref, row, rows), f_buf.at[pl.ds(0, rows)])])
     return [f_buf[pl.ds(first, n), :] for _, first, n in _sub_blocks(rows)]
 
-  def store_f32(values, rows, dst_ref, row):
+  def store_f32(self, values, rows: int, dst_ref, row) -> None:
+    """Writes a piece's float32 sub-blocks ``values`` to rows ``[row, row + rows)`` of
+    ``dst_ref``, through ``f_buf``."""
+    f_buf = self.scratch.f_buf
     for (_, first, n), v in zip(_sub_blocks(rows), values):
       f_buf[pl.ds(first, n), :] = v
-    run_copies([(f_buf.at[pl.ds(0, rows)], rows_at(dst_ref, row, rows))])
+    self.copy([(f_buf.at[pl.ds(0, rows)], _rows_at(dst_ref, row, rows))])
 
-  def dequantized(q_view, s_view, rows):
-    words = s_view[pl.ds(0, 1), :]
-    return [
-      q_view[pl.ds(first, n), :].astype(jnp.float32) * _unpack(words, n, half)
-      for half, first, n in _sub_blocks(rows)
-    ]
-
-  def quantize_into(values, rows, q_view, s_view):
-    words = None
-    for (half, first, n), v in zip(_sub_blocks(rows), values):
-      q, w = _quantize(v)
-      q_view[pl.ds(first, n), :] = q
-      w = lax.shift_left(w, 16 * half) if half else w
-      words = w if words is None else words | w
-    s_view[pl.ds(0, 1), :] = words
-
-  def to_gather(q_view, s_view, kind, gi, offset, piece):
-    """Local DMAs of a piece's int8 rows and scale row into the gather buffers."""
-    run_copies(
+  def to_gather(self, q_view, s_view, kind: PieceKind, gi, offset, piece) -> None:
+    """Local DMAs of a piece's int8 rows and scale row into the gather buffers (slice
+    ``gi`` = chunk * S + stream)."""
+    lay, out = self.lay, self.outputs
+    self.copy(
       [
-        (q_view.at[pl.ds(0, kind.q_rows)], rows_at(qg, lay.q_row(gi, offset), kind.q_rows)),
-        (s_view.at[pl.ds(0, 1)], rows_at(sg, lay.s_row(gi, piece), 1)),
+        (
+          q_view.at[pl.ds(0, kind.q_rows)],
+          _rows_at(out.q_gather, lay.q_row(gi, offset), kind.q_rows),
+        ),
+        (s_view.at[pl.ds(0, 1)], _rows_at(out.s_gather, lay.s_row(gi, piece), 1)),
       ]
     )
 
-  # --- an all-reduce's 1-D input and result (``Flat``) ------------------------------------
-  def flat_cases(g, s, ki):
+  # --- an all-reduce's 1-D input and result (``Flat``) ----------------------------------
+  def flat_cases(self, g, s: int, ki: int):
     """(whole, partial) conditions of the piece at grid row ``g``: all its rows lie below
     ``whole_rows``; it is the partial piece (None if no piece of this stream and kind is)."""
-    rows, part = lay.kinds[ki].rows, flat.partial(lay)
+    flat = self.flat
+    rows, part = self.lay.kinds[ki].rows, flat.partial(self.lay)
     whole = g + rows <= flat.whole_rows
     holds = part is not None and part[1:] == (s, ki)
     return whole, (g == part[0]) if holds else None
 
-  def elements(row, rows):
+  def elements(self, row, rows: int):
+    """The 1-D slice of grid rows ``[row, row + rows)``, starting on a DMA word."""
     start = row * LANES
-    start = start if isinstance(start, int) else pl.multiple_of(start, flat.word)
+    start = start if isinstance(start, int) else pl.multiple_of(start, self.flat.word)
     return pl.ds(start, rows * LANES)
 
-  def load_flat(chunk, s, offset, ki):
+  def read_flat(self, row, n: int) -> jax.Array:
+    """Grid rows ``[row, row + n)`` of the 1-D input (all of them whole rows), as float32."""
+    x_buf = self.scratch.x_buf
+    self.copy([(self.inputs.x.at[self.elements(row, n)], x_buf.at[pl.ds(0, n * LANES)])])
+    return x_buf[pl.ds(0, n * LANES)].astype(jnp.float32).reshape(n, LANES)
+
+  def zero_piece(self, rows: int) -> None:
+    """Zeros in ``f_buf`` for a piece of ``rows`` rows (whole int8 tiles of them)."""
+    self.scratch.f_buf[pl.ds(0, _up(rows, 32)), :] = jnp.zeros((_up(rows, 32), LANES), jnp.float32)
+
+  def read_partial_piece(self, rows: int) -> None:
+    """The partial piece into ``f_buf``: its whole rows, the tail rows, zeros after."""
+    flat, f_buf = self.flat, self.scratch.f_buf
+    self.zero_piece(rows)
+    start, tail_rows = flat.partial(self.lay)[0], flat.tail_rows
+    present = flat.whole_rows - start
+    if present:
+      f_buf[pl.ds(0, present), :] = self.read_flat(start, present)
+    if tail_rows:
+      self.copy([(self.inputs.x_tail, self.scratch.x_tail_buf)])
+      tail = self.scratch.x_tail_buf[...].astype(jnp.float32).reshape(tail_rows, LANES)
+      f_buf[pl.ds(present, tail_rows), :] = tail
+
+  def load_flat(self, chunk, s: int, offset, ki: int) -> list[jax.Array]:
     """The float32 values of a piece of the 1-D input, zeros where rows do not exist."""
-    rows = lay.kinds[ki].rows
-    g = lay.data_row(chunk, s, offset)
-    whole, partial = flat_cases(g, s, ki)
-
-    def from_input(row, n):
-      run_copies([(x_ref.at[elements(row, n)], x_buf.at[pl.ds(0, n * LANES)])])
-      return x_buf[pl.ds(0, n * LANES)].astype(jnp.float32).reshape(n, LANES)
-
-    def zeros():
-      f_buf[pl.ds(0, _up(rows, 32)), :] = jnp.zeros((_up(rows, 32), LANES), jnp.float32)
+    rows, f_buf = self.lay.kinds[ki].rows, self.scratch.f_buf
+    g = self.lay.data_row(chunk, s, offset)
+    whole, partial = self.flat_cases(g, s, ki)
 
     def whole_piece():
-      f_buf[pl.ds(0, rows), :] = from_input(g, rows)
+      f_buf[pl.ds(0, rows), :] = self.read_flat(g, rows)
 
-    def partial_piece():
-      zeros()
-      start, tail_rows = flat.partial(lay)[0], flat.tail_rows
-      present = flat.whole_rows - start
-      if present:
-        f_buf[pl.ds(0, present), :] = from_input(start, present)
-      if tail_rows:
-        run_copies([(xt_ref, xt_buf)])
-        tail = xt_buf[...].astype(jnp.float32).reshape(tail_rows, LANES)
-        f_buf[pl.ds(present, tail_rows), :] = tail
+    def zeros():
+      self.zero_piece(rows)
 
     _when(whole, whole_piece)
     if partial is None:
       _when(jnp.logical_not(whole) if not isinstance(whole, bool) else not whole, zeros)
     else:
-      _when(partial, partial_piece)
+      _when(partial, lambda: self.read_partial_piece(rows))
       missing = jnp.logical_and(jnp.logical_not(whole), jnp.logical_not(partial))
       _when(missing if not isinstance(g, int) else (not whole and not partial), zeros)
     return [f_buf[pl.ds(first, n), :] for _, first, n in _sub_blocks(rows)]
 
-  def store_flat(values, chunk, s, offset, ki):
+  def write_flat(self, row, n: int, at: int) -> None:
+    """``f_buf`` rows ``[at, at + n)`` to grid rows ``[row, row + n)`` of the 1-D result
+    (all of them whole rows), in its type."""
+    f_buf, x_buf, dtype = self.scratch.f_buf, self.scratch.x_buf, jnp.dtype(self.flat.dtype)
+    x_buf[pl.ds(0, n * LANES)] = f_buf[pl.ds(at, n), :].reshape(n * LANES).astype(dtype)
+    self.copy([(x_buf.at[pl.ds(0, n * LANES)], self.outputs.result.at[self.elements(row, n)])])
+
+  def write_partial_piece(self) -> None:
+    """The partial piece from ``f_buf`` to the result: its whole rows, then the tail."""
+    flat, f_buf, t_buf = self.flat, self.scratch.f_buf, self.scratch.tail_buf
+    start = flat.partial(self.lay)[0]
+    present = flat.whole_rows - start
+    if present:
+      self.write_flat(start, present, 0)
+    if flat.tail:
+      rows_out = f_buf[pl.ds(present, flat.tail_rows), :]
+      t_buf[...] = rows_out.reshape(flat.tail_rows * LANES)[: flat.tail].astype(
+        jnp.dtype(flat.dtype)
+      )
+      self.copy([(t_buf, self.outputs.result.at[pl.ds(flat.n - flat.tail, flat.tail)])])
+
+  def store_flat(self, values, chunk, s: int, offset, ki: int) -> None:
     """Writes a piece's values to the 1-D result, where its rows exist."""
-    rows, dtype = lay.kinds[ki].rows, jnp.dtype(flat.dtype)
-    g = lay.data_row(chunk, s, offset)
-    whole, partial = flat_cases(g, s, ki)
+    rows, f_buf = self.lay.kinds[ki].rows, self.scratch.f_buf
+    g = self.lay.data_row(chunk, s, offset)
+    whole, partial = self.flat_cases(g, s, ki)
     for (_, first, n), v in zip(_sub_blocks(rows), values):
       f_buf[pl.ds(first, n), :] = v
-
-    def to_result(row, n, at):
-      x_buf[pl.ds(0, n * LANES)] = f_buf[pl.ds(at, n), :].reshape(n * LANES).astype(dtype)
-      run_copies([(x_buf.at[pl.ds(0, n * LANES)], res_ref.at[elements(row, n)])])
-
-    def partial_piece():
-      start = flat.partial(lay)[0]
-      present = flat.whole_rows - start
-      if present:
-        to_result(start, present, 0)
-      if flat.tail:
-        rows_out = f_buf[pl.ds(present, flat.tail_rows), :]
-        t_buf[...] = rows_out.reshape(flat.tail_rows * LANES)[: flat.tail].astype(dtype)
-        run_copies([(t_buf, res_ref.at[pl.ds(flat.n - flat.tail, flat.tail)])])
-
-    _when(whole, lambda: to_result(g, rows, 0))
+    _when(whole, lambda: self.write_flat(g, rows, 0))
     if partial is not None:
-      _when(partial, partial_piece)
+      _when(partial, self.write_partial_piece)
 
-  def own_terms(run, chunk, s, offset, ki):
-    if run.first and flat is not None:
-      return load_flat(chunk, s, offset, ki)
-    row = lay.data_row(chunk, s, offset)
-    return load_f32(x_ref if run.first else out_ref, row, lay.kinds[ki].rows)
+  def own_terms(self, run: PhaseRun, chunk, s: int, offset, ki: int) -> list[jax.Array]:
+    """The own float32 terms of a piece: from the input in a stream's first phase, from
+    the work buffer ``out`` later."""
+    if run.first and self.flat is not None:
+      return self.load_flat(chunk, s, offset, ki)
+    row = self.lay.data_row(chunk, s, offset)
+    source = self.inputs.x if run.first else self.outputs.out
+    return self.load_f32(source, row, self.lay.kinds[ki].rows)
 
-  def store_result(values, chunk, s, offset, ki):
-    if flat is not None:
-      store_flat(values, chunk, s, offset, ki)
+  def store_result(self, values, chunk, s: int, offset, ki: int) -> None:
+    """Writes a piece's values to the result: the 1-D buffer or the float32 grid."""
+    if self.flat is not None:
+      self.store_flat(values, chunk, s, offset, ki)
     else:
-      store_f32(values, lay.kinds[ki].rows, out_ref, lay.data_row(chunk, s, offset))
+      rows, row = self.lay.kinds[ki].rows, self.lay.data_row(chunk, s, offset)
+      self.store_f32(values, rows, self.outputs.out, row)
 
-  # --- the wire --------------------------------------------------------------------------
-  def wire(run, ki, slot):
+  # --- the wire -------------------------------------------------------------------------
+  def wire(self, run: PhaseRun, ki: int, slot):
     """The two remote DMAs of a ring slot: int8 rows and scale row, from this device's
     staging slot to the same slot of the downstream device's receive ring."""
-    rq, rs, tq, ts = rings[ki]
-    qn, s = lay.kinds[ki].q_rows, run.stream
-    target = topo.neighbour(run.phase.axis, run.phase.direction)
+    ring, sems = self.scratch.rings[ki], self.scratch
+    qn, s = self.lay.kinds[ki].q_rows, run.stream
+    target = self.topo.neighbour(run.phase.axis, run.phase.direction)
     return [
       pltpu.make_async_remote_copy(
         src.at[s, slot, pl.ds(0, n)],
         dst.at[s, slot, pl.ds(0, n)],
-        send_sems.at[s, ki, slot],
-        recv_sems.at[s, ki, slot],
+        sems.send_sems.at[s, ki, slot],
+        sems.recv_sems.at[s, ki, slot],
         device_id=target,
       )
-      for src, dst, n in ((tq, rq, qn), (ts, rs, 1))
+      for src, dst, n in ((ring.stage_q, ring.recv_q, qn), (ring.stage_s, ring.recv_s, 1))
     ]
 
-  def upstream(run):
-    return topo.neighbour(run.phase.axis, -run.phase.direction)
+  def grant(self, run: PhaseRun, ki: int, count: int) -> None:
+    """Lets the upstream device send ``count`` more pieces on ``run``'s ring of kind ``ki``."""
+    upstream = self.topo.neighbour(run.phase.axis, -run.phase.direction)
+    credits = self.scratch.credits.at[run.stream, run.index, ki]
+    pl.semaphore_signal(credits, count, device_id=upstream)
 
-  def piece_event(run, j, ki, k, h):  # noqa: C901
+  def free_stage(self, hop: _Hop) -> None:
+    """Waits until the staging slot's previous piece (if any) has left."""
+
+    def wait():
+      for c in self.wire(hop.run, hop.ki, hop.slot):
+        c.wait_send()
+
+    _when(hop.seq(hop.h) >= _SLOTS, wait)
+
+  def send_own(self, hop: _Hop) -> None:
+    """Hop 0: stages the own piece: the own terms quantized (reduce-scatter), or the kept
+    bytes from the gather buffers (all-gather)."""
+    run, kind, s, offset = hop.run, hop.kind, hop.run.stream, hop.offset
+    ring, lay, out = self.scratch.rings[hop.ki], self.lay, self.outputs
+    tr = run.transfers[0]
+    chunk = self.topo.slab_chunks(tr, self.topo.slab(tr.phase, 0, sending=True)).chunk(hop.j)
+    self.free_stage(hop)
+    if run.phase.kind == "reduce_scatter":
+      values = self.own_terms(run, chunk, s, offset, hop.ki)
+      _quantize_into(values, kind.rows, ring.stage_q.at[s, hop.slot], ring.stage_s.at[s, hop.slot])
+    else:
+      gi = chunk * lay.streams + s
+      self.copy(
+        [
+          (
+            _rows_at(out.q_gather, lay.q_row(gi, offset), kind.q_rows),
+            ring.stage_q.at[s, hop.slot, pl.ds(0, kind.q_rows)],
+          ),
+          (
+            _rows_at(out.s_gather, lay.s_row(gi, hop.piece), 1),
+            ring.stage_s.at[s, hop.slot, pl.ds(0, 1)],
+          ),
+        ]
+      )
+
+  def take_in(self, hop: _Hop) -> None:
+    """Hops 1 to ``hops``: takes in the piece that hop ``h - 1`` brought (sums it on, or
+    forwards it, staging what hop ``h`` sends), then grants its receive slot again."""
+    run, kind, s = hop.run, hop.kind, hop.run.stream
+    ring = self.scratch.rings[hop.ki]
+    tr = run.transfers[hop.h - 1]
+    chunk = self.topo.slab_chunks(tr, self.topo.slab(tr.phase, tr.step, sending=False)).chunk(hop.j)
+    got = hop.seq(hop.h - 1) % _SLOTS
+    for c in self.wire(run, hop.ki, got):
+      c.wait_recv()
+    received = _dequantized(ring.recv_q.at[s, got], ring.recv_s.at[s, got], kind.rows)
+    if run.phase.kind == "reduce_scatter":
+      self.sum_received(hop, chunk, received)
+    else:
+      self.forward_received(hop, chunk, got, received)
+    # The receive slot is free: the upstream may send the piece that comes _SLOTS later.
+    total = run.slab_size(self.torus) * kind.count * run.hops
+    _when(hop.seq(hop.h - 1) + _SLOTS < total, lambda: self.grant(run, hop.ki, 1))
+
+  def sum_received(self, hop: _Hop, chunk, received) -> None:
+    """A reduce-scatter's received piece plus the own terms: staged to go on at once, or,
+    after the last hop, kept where the schedule needs it next."""
+    run, kind, s, offset = hop.run, hop.kind, hop.run.stream, hop.offset
+    ring, lay = self.scratch.rings[hop.ki], self.lay
+    own = self.own_terms(run, chunk, s, offset, hop.ki)
+    values = [r + o for r, o in zip(received, own)]
+    if hop.sending:  # the sum goes on at once
+      self.free_stage(hop)
+      _quantize_into(values, kind.rows, ring.stage_q.at[s, hop.slot], ring.stage_s.at[s, hop.slot])
+    elif run.next_kind == "all_gather":  # the reduced own chunk, quantized once
+      q_buf, s_buf = self.scratch.q_buf, self.scratch.s_buf
+      _quantize_into(values, kind.rows, q_buf, s_buf)
+      self.store_result(_dequantized(q_buf, s_buf, kind.rows), chunk, s, offset, hop.ki)
+      self.to_gather(q_buf, s_buf, kind, chunk * lay.streams + s, offset, hop.piece)
+    elif run.next_kind is None and self.outputs.own is not None:  # a reduce-scatter's result
+      self.store_f32(values, kind.rows, self.outputs.own, lay.data_row(0, s, offset))
+    else:  # a phase's end: the next phase reads it
+      self.store_f32(values, kind.rows, self.outputs.out, lay.data_row(chunk, s, offset))
+
+  def forward_received(self, hop: _Hop, chunk, got, received) -> None:
+    """An all-gather's received piece: stored dequantized, its bytes staged unchanged for
+    the next hop, and kept in the gather buffers if a later phase sends it again."""
+    run, kind, s, offset = hop.run, hop.kind, hop.run.stream, hop.offset
+    ring = self.scratch.rings[hop.ki]
+    self.store_result(received, chunk, s, offset, hop.ki)
+    if hop.sending:  # forward the bytes unchanged
+      self.free_stage(hop)
+      for _, first, n in _sub_blocks(kind.rows):
+        ring.stage_q[s, hop.slot, pl.ds(first, n), :] = ring.recv_q[s, got, pl.ds(first, n), :]
+      ring.stage_s[s, hop.slot, pl.ds(0, 1), :] = ring.recv_s[s, got, pl.ds(0, 1), :]
+    if run.next_kind == "all_gather":  # a later phase sends it again
+      gi = chunk * self.lay.streams + s
+      self.to_gather(ring.recv_q.at[s, got], ring.recv_s.at[s, got], kind, gi, offset, hop.piece)
+
+  def piece_event(self, run: PhaseRun, j, ki: int, k, h: int) -> None:
     """Hop ``h`` of piece ``k`` (of kind ``ki``) of the ``j``-th chunk of ``run``'s slabs:
     take in what hop ``h - 1`` received (none at hop 0), then send hop ``h``'s piece
-    (none after the last hop)."""
-    kind, s, hops = lay.kinds[ki], run.stream, run.hops
-    rq, rs, tq, ts = rings[ki]
-    per_chunk = kind.count * hops
-    total = run.slab_size(torus) * per_chunk
-    seq = lambda hop: (j * kind.count + k) * hops + hop  # this ring's n-th piece
-    offset = kind.first + k * kind.rows
-    if not isinstance(offset, int):
-      offset = pl.multiple_of(offset, 32)
-    piece = kind.index + k
-    rs_kind = run.phase.kind == "reduce_scatter"
-    sending = h < hops
-    slot = seq(h) % _SLOTS if sending else None
-
-    def free_stage():  # the staging slot's previous piece has left
-      _when(seq(h) >= _SLOTS, lambda: [c.wait_send() for c in wire(run, ki, slot)])
-
+    (none after the last hop) once the downstream device has granted a slot for it."""
+    hop = _Hop(self.lay, run, j, ki, k, h)
     if h == 0:  # a phase's first hop sends own data
-      tr = run.transfers[0]
-      chunk = topo.slab_chunks(tr, topo.slab(tr.phase, 0, sending=True)).chunk(j)
-      free_stage()
-      if rs_kind:
-        values = own_terms(run, chunk, s, offset, ki)
-        quantize_into(values, kind.rows, tq.at[s, slot], ts.at[s, slot])
-      else:
-        gi = chunk * lay.streams + s
-        run_copies(
-          [
-            (
-              rows_at(qg, lay.q_row(gi, offset), kind.q_rows),
-              tq.at[s, slot, pl.ds(0, kind.q_rows)],
-            ),
-            (rows_at(sg, lay.s_row(gi, piece), 1), ts.at[s, slot, pl.ds(0, 1)]),
-          ]
-        )
+      self.send_own(hop)
     else:
-      tr = run.transfers[h - 1]
-      chunk = topo.slab_chunks(tr, topo.slab(tr.phase, tr.step, sending=False)).chunk(j)
-      got = seq(h - 1) % _SLOTS
-      for c in wire(run, ki, got):
-        c.wait_recv()
-      received = dequantized(rq.at[s, got], rs.at[s, got], kind.rows)
-      if rs_kind:
-        own = own_terms(run, chunk, s, offset, ki)
-        values = [r + o for r, o in zip(received, own)]
-        if sending:  # the sum goes on at once
-          free_stage()
-          quantize_into(values, kind.rows, tq.at[s, slot], ts.at[s, slot])
-        elif run.next_kind == "all_gather":  # the reduced own chunk, quantized once
-          quantize_into(values, kind.rows, q_buf, s_buf)
-          store_result(dequantized(q_buf, s_buf, kind.rows), chunk, s, offset, ki)
-          to_gather(q_buf, s_buf, kind, chunk * lay.streams + s, offset, piece)
-        elif run.next_kind is None and own_ref is not None:  # a reduce-scatter's result
-          store_f32(values, kind.rows, own_ref, lay.data_row(0, s, offset))
-        else:  # a phase's end: the next phase reads it
-          store_f32(values, kind.rows, out_ref, lay.data_row(chunk, s, offset))
-      else:
-        store_result(received, chunk, s, offset, ki)
-        if sending:  # forward the bytes unchanged
-          free_stage()
-          for _, first, n in _sub_blocks(kind.rows):
-            tq[s, slot, pl.ds(first, n), :] = rq[s, got, pl.ds(first, n), :]
-          ts[s, slot, pl.ds(0, 1), :] = rs[s, got, pl.ds(0, 1), :]
-        if run.next_kind == "all_gather":  # a later phase sends it again
-          to_gather(rq.at[s, got], rs.at[s, got], kind, chunk * lay.streams + s, offset, piece)
-      # The receive slot is free: the upstream may send the piece that comes _SLOTS later.
-      _when(
-        seq(h - 1) + _SLOTS < total,
-        lambda: pl.semaphore_signal(credits.at[s, run.index, ki], 1, device_id=upstream(run)),
-      )
-    if sending:
-      pl.semaphore_wait(credits.at[s, run.index, ki], 1)
-      for c in wire(run, ki, slot):
+      self.take_in(hop)
+    if hop.sending:
+      pl.semaphore_wait(self.scratch.credits.at[run.stream, run.index, ki], 1)
+      for c in self.wire(run, ki, hop.slot):
         c.start()
 
-  def ring_sizes(run):
+  # --- the rings of a group of phases ---------------------------------------------------
+  def ring_sizes(self, run: PhaseRun) -> list[tuple[int, int]]:
     """(kind index, pieces the run sends on that ring) per piece kind."""
-    return [(ki, run.slab_size(torus) * kind.count * run.hops) for ki, kind in enumerate(lay.kinds)]
+    return [
+      (ki, run.slab_size(self.torus) * kind.count * run.hops)
+      for ki, kind in enumerate(self.lay.kinds)
+    ]
 
-  def open_rings(group):
+  def open_rings(self, group: list[PhaseRun]) -> None:
     """Lets each upstream device send the first ``_SLOTS`` pieces of each ring."""
     for run in group:
-      for ki, total in ring_sizes(run):
-        signal = min(_SLOTS, total)
-        pl.semaphore_signal(credits.at[run.stream, run.index, ki], signal, device_id=upstream(run))
+      for ki, total in self.ring_sizes(run):
+        self.grant(run, ki, min(_SLOTS, total))
 
-  def close_rings(group):
+  def close_rings(self, group: list[PhaseRun]) -> None:
     """Waits until every staging slot's last piece has left."""
     for run in group:
-      for ki, total in ring_sizes(run):
+      for ki, total in self.ring_sizes(run):
         for slot in range(min(_SLOTS, total)):
-          for c in wire(run, ki, slot):
+          for c in self.wire(run, ki, slot):
             c.wait_send()
 
-  def run_group(group):
-    open_rings(group)
+  def run_group(self, group: list[PhaseRun]) -> None:
+    """Runs a group of phases (``phase_groups``) piece by piece: for each chunk of the
+    slabs, piece kind and piece, every hop of every run in the group."""
+    self.open_rings(group)
 
     def chunk_body(j):
-      for ki, kind in enumerate(lay.kinds):
+      for ki, kind in enumerate(self.lay.kinds):
 
         def piece_body(k, ki=ki):
           for h in range(group[0].hops + 1):
             for run in group:
-              piece_event(run, j, ki, k, h)
+              self.piece_event(run, j, ki, k, h)
 
         for_each(kind.count, piece_body)
 
-    for_each(group[0].slab_size(torus), chunk_body)
-    close_rings(group)
+    for_each(group[0].slab_size(self.torus), chunk_body)
+    self.close_rings(group)
 
-  def gather_own_input():
+  def gather_own_input(self) -> None:
     """An all-gather alone: quantize the own chunk once, keep its bytes and its values."""
+    lay, own_chunk = self.lay, self.own_chunk
+    q_buf, s_buf = self.scratch.q_buf, self.scratch.s_buf
     for s in range(lay.streams):
       gi = own_chunk * lay.streams + s
       for kind in lay.kinds:
@@ -686,27 +846,44 @@ def _kernel(schedule, topo_args, lay: QLayout, collective, flat, coords_ref, x_r
           offset = kind.first + k * kind.rows
           if not isinstance(offset, int):
             offset = pl.multiple_of(offset, 32)
-          values = load_f32(x_ref, lay.data_row(0, s, offset), kind.rows)
-          quantize_into(values, kind.rows, q_buf, s_buf)
-          store_f32(
-            dequantized(q_buf, s_buf, kind.rows),
-            kind.rows,
-            out_ref,
-            lay.data_row(own_chunk, s, offset),
+          values = self.load_f32(self.inputs.x, lay.data_row(0, s, offset), kind.rows)
+          _quantize_into(values, kind.rows, q_buf, s_buf)
+          dequantized = _dequantized(q_buf, s_buf, kind.rows)
+          self.store_f32(
+            dequantized, kind.rows, self.outputs.out, lay.data_row(own_chunk, s, offset)
           )
-          to_gather(q_buf, s_buf, kind, gi, offset, kind.index + k)
+          self.to_gather(q_buf, s_buf, kind, gi, offset, kind.index + k)
 
         for_each(kind.count, each)
 
-  # --- the schedule --------------------------------------------------------------------
+
+def _kernel(
+  coords_ref,
+  inputs: _Inputs,
+  outputs: _Outputs,
+  scratch: _Scratch,
+  *,
+  schedule: schedule_lib.Schedule,
+  axes: tuple[str, ...],
+  mesh_axes: tuple[str, ...],
+  lay: QLayout,
+  collective: str,
+  flat: Flat | None,
+) -> None:
+  """The quantized ``collective`` over torus ``axes`` on this device (module docstring):
+  the entry barrier, an all-gather's own chunk quantized, then each group of ring phases
+  in order. ``coords_ref`` holds ``mesh_coordinates(mesh_axes)``; ``flat`` describes an
+  all-reduce's 1-D input and result (None for the others, on the float32 grid)."""
+  topo = Topology(axes, schedule.torus, mesh_axes, coords_ref)
+  device = _Device(inputs, outputs, scratch, topo, schedule, lay, flat)
   with jax.named_scope("barrier"):
     topo.barrier(schedule)
   if collective == "all_gather":
     with jax.named_scope("quantize_own"):
-      gather_own_input()
+      device.gather_own_input()
   for g, group in enumerate(phase_groups(schedule)):
     with jax.named_scope(f"phase{g}_{group[0].phase.kind}"):
-      run_group(group)
+      device.run_group(group)
 
 
 # ----------------------------------------------------------------------------------------
@@ -783,61 +960,80 @@ def _hbm(x: jax.Array, shape, dtype):
   return pltpu.HBM.from_type(aval)
 
 
+def _operands(
+  collective: str, x: jax.Array, schedule, lay: QLayout, flat: Flat | None
+) -> tuple[_Inputs, _Outputs, _Scratch]:
+  """The kernel's inputs (arrays), and its outputs' and scratch's types, for ``_call``."""
+  streams = schedule.num_streams
+  phases = max(len(p) for p in schedule.streams)
+  kinds = len(lay.kinds)
+  reduce_scatter = collective == "reduce_scatter"
+  tail = flat is not None and flat.tail > 0
+  inputs = _Inputs(
+    x=x,
+    x_tail=jnp.pad(x[flat.n - flat.tail :], (0, flat.tail_rows * LANES - flat.tail))
+    if tail
+    else None,
+  )
+  gathered = lay.chunks * lay.streams  # slices in the gather buffers
+  outputs = _Outputs(
+    result=_hbm(x, (flat.n,), x.dtype) if flat is not None else None,
+    out=_hbm(x, (lay.grid_rows, LANES), jnp.float32)
+    if flat is None or needs_work_buffer(schedule)
+    else None,
+    own=_hbm(x, (lay.streams * lay.rows, LANES), jnp.float32) if reduce_scatter else None,
+    q_gather=None if reduce_scatter else _hbm(x, (gathered * lay.q_rows, LANES), jnp.int8),
+    s_gather=None if reduce_scatter else _hbm(x, (gathered * len(lay.pieces), LANES), jnp.int32),
+  )
+  rings = []
+  for kind in lay.kinds:
+    q = pltpu.VMEM((streams, _SLOTS, kind.buf_rows, LANES), jnp.int8)
+    s = pltpu.VMEM((streams, _SLOTS, 8, LANES), jnp.int32)
+    rings.append(_Ring(recv_q=q, recv_s=s, stage_q=q, stage_s=s))
+  scratch = _Scratch(
+    rings=tuple(rings),
+    recv_sems=pltpu.SemaphoreType.DMA((streams, kinds, _SLOTS)),
+    send_sems=pltpu.SemaphoreType.DMA((streams, kinds, _SLOTS)),
+    credits=pltpu.SemaphoreType.REGULAR((streams, phases, kinds)),
+    f_buf=pltpu.VMEM((lay.buf_rows, LANES), jnp.float32),
+    q_buf=pltpu.VMEM((lay.buf_rows, LANES), jnp.int8),
+    s_buf=pltpu.VMEM((8, LANES), jnp.int32),
+    local_sems=pltpu.SemaphoreType.DMA((3,)),
+    x_buf=pltpu.VMEM((lay.buf_rows * LANES,), x.dtype) if flat is not None else None,
+    x_tail_buf=pltpu.VMEM((flat.tail_rows * LANES,), x.dtype) if tail else None,
+    tail_buf=pltpu.VMEM((flat.tail,), x.dtype) if tail else None,
+  )
+  return inputs, outputs, scratch
+
+
 def _call(collective, x, schedule, axes, mesh_axes, lay: QLayout, flat: Flat | None):
   """Runs the quantized ``collective`` kernel: on the 1-D all-reduce input ``x`` (with
   ``flat``), returning its 1-D result, or on the 2-D float32 grid ``x`` (rows of 128),
   returning the own chunk's float32 sums (reduce-scatter) or the dequantized grid."""
-  streams = schedule.num_streams
+  inputs, outputs, scratch = _operands(collective, x, schedule, lay, flat)
+  streams, kinds = schedule.num_streams, len(lay.kinds)
   phases = max(len(p) for p in schedule.streams)
-  kinds = len(lay.kinds)
-  inputs, outputs = [x], []
-  if flat is not None:
-    if flat.tail:
-      inputs.append(jnp.pad(x[flat.n - flat.tail :], (0, flat.tail_rows * LANES - flat.tail)))
-    outputs.append(((flat.n,), x.dtype))
-  if flat is None or needs_work_buffer(schedule):
-    outputs.append(((lay.grid_rows, LANES), jnp.float32))
-  if collective == "reduce_scatter":
-    outputs.append(((lay.streams * lay.rows, LANES), jnp.float32))
-  else:
-    gi = lay.chunks * lay.streams
-    outputs += [((gi * lay.q_rows, LANES), jnp.int8), ((gi * len(lay.pieces), LANES), jnp.int32)]
-  scratch = []
-  for kind in lay.kinds:  # per kind: receive ring, then staging ring
-    q = pltpu.VMEM((streams, _SLOTS, kind.buf_rows, LANES), jnp.int8)
-    s = pltpu.VMEM((streams, _SLOTS, 8, LANES), jnp.int32)
-    scratch += [q, s, q, s]
-  scratch += [
-    pltpu.SemaphoreType.DMA((streams, kinds, _SLOTS)),
-    pltpu.SemaphoreType.DMA((streams, kinds, _SLOTS)),
-    pltpu.SemaphoreType.REGULAR((streams, phases, kinds)),
-    pltpu.VMEM((lay.buf_rows, LANES), jnp.float32),
-    pltpu.VMEM((lay.buf_rows, LANES), jnp.int8),
-    pltpu.VMEM((8, LANES), jnp.int32),
-    pltpu.SemaphoreType.DMA((3,)),
-  ]
-  if flat is not None:  # the input's and result's pieces, their tail rows, the tail
-    scratch.append(pltpu.VMEM((lay.buf_rows * LANES,), x.dtype))
-    if flat.tail:
-      scratch += [
-        pltpu.VMEM((flat.tail_rows * LANES,), x.dtype),
-        pltpu.VMEM((flat.tail,), x.dtype),
-      ]
   semaphores = streams * kinds * (2 * _SLOTS + phases) + 3
-  if semaphores > _MAX_SEMAPHORES:
-    raise ValueError(f"{semaphores} semaphores: more than the {_MAX_SEMAPHORES} a kernel may hold")
+  if semaphores > MAX_SEMAPHORES:
+    raise ValueError(f"{semaphores} semaphores: more than the {MAX_SEMAPHORES} a kernel may hold")
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   kernel = functools.partial(
-    _kernel, schedule, (tuple(axes), schedule.torus, tuple(mesh_axes)), lay, collective, flat
+    _kernel,
+    schedule=schedule,
+    axes=tuple(axes),
+    mesh_axes=tuple(mesh_axes),
+    lay=lay,
+    collective=collective,
+    flat=flat,
   )
   results = pl.pallas_call(
     kernel,
-    out_shape=tuple(_hbm(x, shape, dtype) for shape, dtype in outputs),
+    out_shape=outputs,
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
-      in_specs=[any_spec] * len(inputs),
-      out_specs=(any_spec,) * len(outputs),
-      scratch_shapes=scratch,
+      in_specs=(jax.tree.map(lambda _: any_spec, inputs),),
+      out_specs=jax.tree.map(lambda _: any_spec, outputs),
+      scratch_shapes=(scratch,),
     ),
     cost_estimate=cost(schedule, lay, collective, flat),
     compiler_params=pltpu.CompilerParams(
@@ -845,19 +1041,20 @@ def _call(collective, x, schedule, axes, mesh_axes, lay: QLayout, flat: Flat | N
       has_side_effects=True,
     ),
     name=f"torus_quantized_{collective}_{'_'.join(axes)}",
-  )(mesh_coordinates(mesh_axes), *inputs)
-  return results[1] if collective == "reduce_scatter" else results[0]
+  )(mesh_coordinates(mesh_axes), inputs)
+  if collective == "reduce_scatter":
+    return results.own
+  return results.result if flat is not None else results.out
 
 
 def _plan(collective, axes, torus, mesh_axes):
-  """(kept axes, kept torus, mesh axes, schedule) with unit axes dropped."""
-  from torus_collectives.kernels import pallas_backend
-
+  """(kept axes, kept torus, mesh axes, schedule) with unit axes dropped; the mesh axes
+  are the traced ``shard_map``'s unless given (``remote_dma.mesh_target``)."""
   if not 1 <= len(axes) == len(torus) <= 3:
     raise ValueError(f"expected 1 to 3 torus axes, got {axes=}, {torus=}")
   kept_torus, kept_axes = drop_unit_axes(tuple(int(n) for n in torus), tuple(axes))
   if mesh_axes is None:
-    mesh_axes, _ = pallas_backend._target()
+    mesh_axes, _ = mesh_target()
   if not kept_axes:
     return kept_axes, kept_torus, tuple(mesh_axes), None
   schedule = schedule_lib.build(collective, kept_torus, schedule_lib.default_variant(kept_torus))

@@ -1,13 +1,18 @@
 """Torus collectives as sequences of split Pallas calls, issued one call at a time.
 
 A ``SplitCollective`` is a reduce-scatter, all-gather or all-reduce over one or more torus
-axes, built from the split ring phases of ``async_torus`` (each phase a start, ``n - 2``
+axes, built from the split ring phases of ``split_rings`` (each phase a start, ``n - 2``
 steps and a done), chained as the torus schedules chain them: a reduce-scatter along
 every axis in turn, each on the chunk the previous one left; an all-gather back along the
 axes in reverse; an all-reduce both. Between any two calls the DMAs of the last one are
 on the link, and whoever drives the sequence (``advance``) may place compute there,
-pinned to the sequence with ``pin``: how ``torus_collectives.overlap`` threads gradient
+pinned to the sequence with ``pin``: how ``torus_collectives.experimental.overlap`` threads gradient
 summation through the backward pass.
+
+The chains are not described here: each stream executes, call by call, the phases of one
+stream of ``schedule.build(collective, sizes, variant)`` over the live axes (those of more
+than one device; a phase's ``axis`` indexes them), the data the blocking kernels and the
+cost model run too.
 
 Streams (``variant``):
 
@@ -27,10 +32,13 @@ Streams (``variant``):
   buffer) into the 2N parts: stream ``s`` reduce-scatters slice ``s`` of every chunk,
   the chunks laid out in its rotated order (a transposition of the ``[p, m]`` grid), and
   the all-gather puts its streams' slices back the same way, so both equal lax's tiled
-  collectives whatever the streams. Those transpositions are copies of the whole buffer,
-  so the pallas backend runs its split reduce-scatter and all-gather in one stream
-  (``pallas_backend.split_reduce_scatter``); whether 2N links' bandwidth pays for the
-  copies in a real step is not measured here.
+  collectives whatever the streams. The rotation is read off the stream's phases
+  (``_rotation``: the axis it reduce-scatters first, which it all-gathers last): the
+  schedule's stream ``(r, d)`` scatters the axes ``r, r + 1, ..., r - 1``, the order
+  ``_to_rotated(..., r)`` lays the chunks out in. Those transpositions are copies of the
+  whole buffer, so the pallas backend runs its split reduce-scatter and all-gather in one
+  stream (``pallas_backend.split_reduce_scatter``); whether 2N links' bandwidth pays for
+  the copies in a real step is not measured here.
 
 Axes are given as ``(name, size)`` pairs in the caller's order; the reduce-scatter of
 ``x`` over ``("x", "y")`` leaves device ``(i, j)`` chunk ``i * ny + j`` of the sum, as
@@ -41,8 +49,8 @@ final chunk of every stream (``padded_elements``).
 Every device must issue the calls in the same order: streams (and, in each, phases) of
 one (kind, axis, direction) share that pattern's barrier semaphore, whose counts pair the
 ``k``-th calls of all sequences of the pattern, which is right only if every device issues
-them in one order (see ``async_torus``). One program under ``shard_map`` does. Nothing
-has run on a TPU (see ``async_torus``).
+them in one order (see ``split_rings``). One program under ``shard_map`` does. Nothing
+has run on a TPU (see ``split_rings``).
 """
 
 from __future__ import annotations
@@ -56,7 +64,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from torus_collectives.kernels import async_torus
+from torus_collectives import schedule as schedule_lib
+from torus_collectives.kernels import split_rings
 from torus_collectives.kernels.buffer_layout import dma_alignment
 
 Collective = Literal["all_reduce", "reduce_scatter", "all_gather"]
@@ -67,12 +76,22 @@ def _live_axes(axes) -> list[tuple[str, int]]:
   return [(name, int(size)) for name, size in axes if int(size) > 1]
 
 
-def stream_count(collective: Collective, axes, variant: Variant = "torus") -> int:
-  """How many streams the collective runs in (module doc): 2N in the split torus variant."""
+def _streams(
+  collective: Collective, axes, variant: Variant = "torus"
+) -> tuple[tuple[schedule_lib.Phase, ...], ...]:
+  """The streams of ``schedule.build(collective, sizes, variant)`` over the live axes (a
+  phase's ``axis`` is its axis's place among the live ``axes``); one empty stream where no
+  axis is live."""
   live = _live_axes(axes)
-  if variant == "torus" or not live:
-    return 1
-  return 2 * len(live)
+  if not live:
+    return ((),)
+  return schedule_lib.build(collective, [size for _, size in live], variant).streams
+
+
+def stream_count(collective: Collective, axes, variant: Variant = "torus") -> int:
+  """How many streams the collective runs in (module doc): the schedule's, 2N in the split
+  torus variant."""
+  return len(_streams(collective, axes, variant))
 
 
 def padded_elements(elements: int, sizes: Sequence[int], itemsize: int, streams: int = 1) -> int:
@@ -82,26 +101,25 @@ def padded_elements(elements: int, sizes: Sequence[int], itemsize: int, streams:
   return -(-elements // unit) * unit
 
 
-def _phases(collective: Collective, axes, direction: int = 1) -> list[tuple[str, str, int, int]]:
-  """(kind, axis name, size, direction) of each phase of one stream over ``axes``."""
-  scatter = [("reduce_scatter", name, size, direction) for name, size in axes]
-  gather = [("all_gather", name, size, direction) for name, size in reversed(axes)]
-  return {"reduce_scatter": scatter, "all_gather": gather, "all_reduce": scatter + gather}[
-    collective
-  ]
+def _named(phases: Sequence[schedule_lib.Phase], live) -> list[tuple[str, str, int, int]]:
+  """``(kind, axis name, size, direction)`` of each of a stream's ``phases`` over the
+  ``live`` axes."""
+  return [(p.kind, *live[p.axis], p.direction) for p in phases]
 
 
 def _stream_phases(collective: Collective, axes, variant: Variant):
-  """Each stream's phases: one stream in order, or the 2N rotations and directions."""
+  """Each stream's phases, named (``_named``), as the schedule holds them."""
   live = _live_axes(axes)
-  if stream_count(collective, axes, variant) == 1:
-    return [_phases(collective, live)]
-  return [_phases(collective, order, d) for order in _rotations(live) for d in (1, -1)]
+  return [_named(phases, live) for phases in _streams(collective, axes, variant)]
 
 
-def _rotations(live) -> list[list[tuple[str, int]]]:
-  """The live axes rotated by 0, 1, ..., N - 1: each stream pair's axis order."""
-  return [live[r:] + live[:r] for r in range(len(live))]
+def _rotation(phases: Sequence[schedule_lib.Phase]) -> int:
+  """The live axis a stream's chain reduce-scatters first (and all-gathers last): in
+  ``schedule.build``'s split torus variant its scatter order is the live axes rotated to
+  start there, so the chunk it leaves a device is the one ``_to_rotated`` by it puts in
+  that device's row."""
+  first = phases[0]
+  return first.axis if first.kind == "reduce_scatter" else phases[-1].axis
 
 
 def _to_rotated(grid: jax.Array, sizes: Sequence[int], r: int) -> jax.Array:
@@ -131,12 +149,12 @@ class _Stream:
     self.calls: list[Callable] = []
     for kind, name, n, direction in phases:
       self.calls.append(
-        lambda value, kind=kind, name=name, n=n, d=direction: async_torus.ring_start(
+        lambda value, kind=kind, name=name, n=n, d=direction: split_rings.ring_start(
           kind, value, name, n, mesh_axes, d
         )
       )
-      self.calls += [async_torus.ring_step] * (n - 2)
-      self.calls.append(async_torus.ring_done)
+      self.calls += [split_rings.ring_step] * (n - 2)
+      self.calls.append(split_rings.ring_done)
 
   def advance(self) -> None:
     self.value = self.calls.pop(0)(self.value)
@@ -152,7 +170,7 @@ class SplitCollective:
   the result. Nothing is computed until a call is issued. Calls are traced in the order
   they are issued, so every device must drive its sequences the same way (they do under
   ``shard_map``: the program is one). With several streams, each stream's calls run in a
-  named scope ``stream_<s>`` (how ``bench.hlo_schedule`` tells them apart).
+  named scope ``stream_<s>`` (how ``testing.hlo_schedule`` tells them apart).
   """
 
   def __init__(
@@ -168,16 +186,20 @@ class SplitCollective:
     self.mesh_axes = tuple(mesh_axes)
     self.result_elements = result_elements
     self._check(x, axes, variant)
-    phases = _stream_phases(collective, axes, variant)
+    self._phases = _streams(collective, axes, variant)
     self._live = _live_axes(axes)
-    parts = self._cut(x, len(phases))
-    self._streams = [_Stream(part, p, self.mesh_axes) for part, p in zip(parts, phases)]
+    parts = self._cut(x)
+    self._streams = [
+      _Stream(part, _named(phases, self._live), self.mesh_axes)
+      for part, phases in zip(parts, self._phases)
+    ]
     self._input = x
 
-  def _cut(self, x: jax.Array, streams: int) -> list[jax.Array]:
-    """Each stream's input: the buffer cut in ``streams`` equal parts (the all-reduce, the
-    all-gather's own chunk), or for the reduce-scatter slice ``s`` of every chunk, the
-    chunks in stream ``s``'s rotated order (module doc)."""
+  def _cut(self, x: jax.Array) -> list[jax.Array]:
+    """Each stream's input: the buffer cut in equal parts, one per stream (the all-reduce,
+    the all-gather's own chunk), or for the reduce-scatter slice ``s`` of every chunk, the
+    chunks in stream ``s``'s rotated order (``_rotation``, module doc)."""
+    streams = len(self._phases)
     if streams == 1:
       return [x]
     if self.collective != "reduce_scatter":
@@ -185,7 +207,10 @@ class SplitCollective:
     sizes = [n for _, n in self._live]
     grid = x.reshape(math.prod(sizes), -1)
     slices = jnp.split(grid, streams, axis=1)
-    return [_to_rotated(g, sizes, s // 2).reshape(-1) for s, g in enumerate(slices)]
+    return [
+      _to_rotated(g, sizes, _rotation(phases)).reshape(-1)
+      for g, phases in zip(slices, self._phases)
+    ]
 
   def _gathered_parts(self, parts) -> list[jax.Array]:
     """The all-gather's parts as its result: the ``[p, w]`` rows of each stream's slice,
@@ -194,7 +219,10 @@ class SplitCollective:
       return parts
     sizes = [n for _, n in self._live]
     p = math.prod(sizes)
-    grids = [_from_rotated(g.reshape(p, -1), sizes, s // 2) for s, g in enumerate(parts)]
+    grids = [
+      _from_rotated(g.reshape(p, -1), sizes, _rotation(phases))
+      for g, phases in zip(parts, self._phases)
+    ]
     return [jnp.concatenate(grids, axis=1).reshape(-1)]
 
   def _check(self, x, axes, variant) -> None:
@@ -250,15 +278,15 @@ class SplitCollective:
       with self._scope(s):
         stream.advance()
     if len(self._streams) > 1:
-      tied = lax.optimization_barrier([async_torus.buffer_of(st.value) for st in self._streams])
+      tied = lax.optimization_barrier([split_rings.buffer_of(st.value) for st in self._streams])
       for stream, buffer in zip(self._streams, tied):
-        stream.value = async_torus.with_buffer(stream.value, buffer)
+        stream.value = split_rings.with_buffer(stream.value, buffer)
 
   def pin(self, values):
     """``values`` through one optimization barrier with each stream's in-flight buffer
-    (``async_torus.pin``); returns them."""
+    (``split_rings.pin``); returns them."""
     for stream in self._streams:
-      stream.value, values = async_torus.pin(stream.value, values)
+      stream.value, values = split_rings.pin(stream.value, values)
     return values
 
   def finish(self) -> jax.Array:
@@ -289,7 +317,7 @@ def run(
   variant: Variant = "torus",
 ):
   """The whole collective, with ``between(i, *operands)`` (if given) in the window after
-  the ``i``-th call, pinned on both sides as in ``async_torus.ring_phase``. Returns the
+  the ``i``-th call, pinned on both sides as in ``split_rings.ring_phase``. Returns the
   result, or ``(result, results)`` with the hook's results."""
   split = SplitCollective(collective, x, axes, mesh_axes, variant=variant)
   results = []

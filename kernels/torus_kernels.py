@@ -51,8 +51,9 @@ so on the 2-D split schedule the +x, -x, +y and -y links of a chip carry traffic
 
 Synchronisation:
 
-* an entry barrier (the kernel's barrier semaphore): a device writes into a neighbour only
-  after that neighbour has entered the kernel;
+* an entry barrier (the kernel's barrier semaphore, one ``collective_id`` per kernel
+  pattern; ``remote_dma.Topology.barrier``): a device writes into a neighbour only after
+  that neighbour has entered the kernel;
 * one DMA semaphore per (stream, receive slot, piece) on each side, so a DMA that lands
   early (in whatever order the hardware completes them) is never mistaken for another.
   A piece's semaphore counts all its DMAs (one per chunk of the slab, and the tail's);
@@ -86,20 +87,29 @@ t + 1 is the one summed at step t, so piece k of it is sent as soon as its sum i
 for one piece's add per phase, not per step (``cost_model.predict(reduce_pieces=...)``
 prices this). A step that starts a phase sends once the step before is done.
 
+Code: each kernel takes its refs by name (the mesh coordinates first, then the input,
+the outputs, the scratch; the reduce-scatter's scratch grouped in
+``_ReduceScatterScratch``) and its statics as keywords. ``_reduce_scatter_kernel`` reads
+as the protocol above, step by step; the sections it runs (send, add a piece, free a
+slot, wait for the sends) and the addressing of the grid and the slots are the methods of
+``_ReduceScatter``. What these kernels share with the split calls (``split_rings``) and
+the block-scaled kernels (``quantized_kernels``) -- the topology, the entry barrier, the
+collective ids, the semaphore budget -- lives in ``remote_dma``.
+
 Nothing here has run on a TPU: the kernels are verified in TPU interpret mode and compile
 for v4, v5e, v5p and v6e.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -112,105 +122,29 @@ from torus_collectives.kernels.buffer_layout import (
   for_each,
   pieces,
 )
+from torus_collectives.kernels.remote_dma import (
+  MAX_SEMAPHORES,
+  Topology,
+  collective_id,
+  copy_and_wait,
+  hbm_like,
+  links,
+  mesh_coordinates,
+)
+
+__all__ = [
+  "ADD_BYTES",
+  "add_in_vmem",
+  "all_gather_call",
+  "collective_id",
+  "links",
+  "mesh_coordinates",
+  "reduce_scatter_call",
+]
 
 _RECV_SLOTS = 2
-# Semaphores live in a small scoped memory (2 KiB, 512 of them, on v5e, where 840 did not
-# compile); leave room for the kernel's other scratch.
-_MAX_SEMAPHORES = 400
-
-# collective_id: barrier semaphores are per id. Two kernels that sync with different
-# neighbour sets must not share one: a device still before the entry barrier of a 1-D ring
-# on y would count a signal its x neighbour sent on entering the 2-D torus kernel, DMA into
-# a y neighbour that has not entered, and leave the barrier count off by one. So every
-# (kind, axes, torus, links) pattern gets its own id -- links: the (axis, direction) pairs
-# the schedule uses, which differ between a one-stream and a split schedule on the same
-# axes -- a pure function of the pattern (every
-# process of a multi-host job computes the same id without coordination). Ids are drawn
-# from [_FIRST_ID, 2**15) -- TPU interpret mode stores them as int16 -- by a hash; a
-# process-wide table turns a hash collision between two patterns into an error at trace
-# time instead of a silent shared barrier. (jax's barrier-semaphore tags would let XLA
-# assign ids, but interpret mode does not support them, so they could not be tested.)
-_FIRST_ID = 16
-_ID_PATTERNS: dict[int, tuple] = {}
-
-
-def links(schedule: schedule_lib.Schedule) -> list[tuple[int, int]]:
-  """The (torus axis, direction) pairs ``schedule`` sends along (axes of size 1 excepted)."""
-  return sorted(
-    {
-      (p.axis, p.direction)
-      for phases in schedule.streams
-      for p in phases
-      if schedule.torus[p.axis] > 1
-    }
-  )
-
-
-def collective_id(kind: str, axes: Sequence[str], schedule: schedule_lib.Schedule) -> int:
-  """The barrier collective_id of a ``kind`` kernel running ``schedule`` over ``axes``.
-
-  Raises:
-    ValueError: if another pattern already traced in this process has the same id.
-  """
-  pattern = (kind, tuple(axes), schedule.torus, tuple(links(schedule)))
-  key = zlib.crc32(repr(pattern).encode())
-  cid = _FIRST_ID + key % ((1 << 15) - _FIRST_ID)
-  other = _ID_PATTERNS.setdefault(cid, pattern)
-  if other != pattern:
-    raise ValueError(
-      f"collective_id {cid} of {pattern} collides with {other}; the two kernels would share "
-      "a barrier semaphore. Rename one of the mesh axes."
-    )
-  return cid
-
-
-def _mod(x, n: int):
-  return lax.rem(x + n, n)
-
-
-def mesh_coordinates(mesh_axes: Sequence[str]) -> jax.Array:
-  """This device's coordinates over all ``mesh_axes``, the kernels' first (SMEM) operand.
-
-  The kernels read their position from this operand rather than calling ``axis_index``
-  themselves, which keeps their bodies free of varying-axes types under ``check_vma``.
-  """
-  return jnp.stack([lax.axis_index(a) for a in mesh_axes]).astype(jnp.int32)
-
-
-class _Topology:
-  """Where this device sits on the torus, and how to name its neighbours as DMA targets."""
-
-  def __init__(
-    self, axes: Sequence[str], torus: Sequence[int], mesh_axes: Sequence[str], coords_ref
-  ):
-    self.axes, self.torus, self.mesh_axes = tuple(axes), tuple(torus), tuple(mesh_axes)
-    self.mesh_coords = tuple(coords_ref[i] for i in range(len(self.mesh_axes)))
-    self.coords = tuple(self.mesh_coords[self.mesh_axes.index(a)] for a in self.axes)
-
-  def neighbour(self, axis: int, direction: int) -> tuple:
-    """Mesh coordinates of the device ``direction`` steps away along torus axis ``axis``."""
-    moved = list(self.mesh_coords)
-    moved[self.mesh_axes.index(self.axes[axis])] = _mod(
-      self.coords[axis] + direction, self.torus[axis]
-    )
-    return tuple(moved)
-
-  def slab(self, phase: schedule_lib.Phase, step: int, *, sending: bool):
-    """Grid index along ``phase.axis`` this device sends (or receives) at ``step``."""
-    slab = phase.send_slab if sending else phase.recv_slab
-    return slab(self.coords[phase.axis], step, self.torus[phase.axis])
-
-  def slab_chunks(self, transfer: schedule_lib.Transfer, slab) -> Slab:
-    """The chunks of ``transfer``'s slab ``slab`` on this device (see ``Slab``)."""
-    return Slab(transfer, self.torus, self.coords, slab)
-
-  def barrier(self, schedule: schedule_lib.Schedule) -> None:
-    """Tells every upstream neighbour we are here; waits until every downstream one is."""
-    used = links(schedule)
-    sem = pltpu.get_barrier_semaphore()
-    for axis, direction in used:
-      pl.semaphore_signal(sem, 1, device_id=self.neighbour(axis, -direction))
-    pl.semaphore_wait(sem, len(used))
+# The topology under the name tests/test_kernel_accounting.py plants a faulty barrier by.
+_Topology = Topology
 
 
 def _phase_index(schedule: schedule_lib.Schedule) -> list[list[int]]:
@@ -262,56 +196,71 @@ def _accumulate(slab: Slab, each, own_at, src_at, dst_at, own_bufs, in_bufs, sem
   ``j`` is added and stored. ``sems[0|1|2, slot]`` track the own load, the received load
   and the store of a slot; ``own_bufs`` and ``in_bufs`` hold two blocks of ``block``.
   """
-
-  def vmem(bufs, slot, length):
-    return at(bufs, slot * block, length, block)
-
-  def loads(slot, length, chunk, j):
-    return (
-      pltpu.make_async_copy(
-        own_at(length, chunk, j), vmem(own_bufs, slot, length), sems.at[0, slot]
-      ),
-      pltpu.make_async_copy(
-        src_at(length, chunk, j), vmem(in_bufs, slot, length), sems.at[1, slot]
-      ),
-    )
-
-  def store(slot, length, chunk, j):
-    return pltpu.make_async_copy(
-      vmem(own_bufs, slot, length), dst_at(length, chunk, j), sems.at[2, slot]
-    )
-
-  def start_loads(slot):
-    return lambda *seg: [copy.start() for copy in loads(slot, *seg)]
-
-  def add_and_store(slot):
-    def run(length, chunk, j):
-      add_in_vmem(vmem(own_bufs, slot, length), vmem(in_bufs, slot, length), length)
-      store(slot, length, chunk, j).start()
-
-    return run
-
-  each(0, start_loads(0))
+  copies = _SlotCopies(own_at, src_at, dst_at, own_bufs, in_bufs, sems, block)
+  each(0, copies.start_loads(0))
 
   def body(j):
     slot = j % 2
-    each(j, lambda *seg: [copy.wait() for copy in loads(slot, *seg)])
+    each(j, lambda *seg: [copy.wait() for copy in copies.loads(slot, *seg)])
 
     @pl.when(j + 1 < slab.size)
     def _prefetch():
       @pl.when(j >= 1)
       def _free_other_slot():
-        each(j - 1, lambda *seg: store(1 - slot, *seg).wait())
+        each(j - 1, lambda *seg: copies.store(1 - slot, *seg).wait())
 
-      each(j + 1, start_loads(1 - slot))
+      each(j + 1, copies.start_loads(1 - slot))
 
-    each(j, add_and_store(slot))
+    each(j, copies.add_and_store(slot))
 
   for_each(slab.size, body)
   total = slab.size
   if total >= 2:
-    each(total - 2, lambda *seg: store(total % 2, *seg).wait())
-  each(total - 1, lambda *seg: store((total - 1) % 2, *seg).wait())
+    each(total - 2, lambda *seg: copies.store(total % 2, *seg).wait())
+  each(total - 1, lambda *seg: copies.store((total - 1) % 2, *seg).wait())
+
+
+@dataclasses.dataclass(frozen=True)
+class _SlotCopies:
+  """``_accumulate``'s copies of one chunk's segment ``(length, chunk, j)`` through VMEM
+  slot ``slot``: the two loads (own terms, received terms) and the store of their sum."""
+
+  own_at: Callable
+  src_at: Callable
+  dst_at: Callable
+  own_bufs: Any
+  in_bufs: Any
+  sems: Any
+  block: int
+
+  def vmem(self, bufs, slot, length):
+    return at(bufs, slot * self.block, length, self.block)
+
+  def loads(self, slot, length, chunk, j):
+    return (
+      pltpu.make_async_copy(
+        self.own_at(length, chunk, j), self.vmem(self.own_bufs, slot, length), self.sems.at[0, slot]
+      ),
+      pltpu.make_async_copy(
+        self.src_at(length, chunk, j), self.vmem(self.in_bufs, slot, length), self.sems.at[1, slot]
+      ),
+    )
+
+  def store(self, slot, length, chunk, j):
+    return pltpu.make_async_copy(
+      self.vmem(self.own_bufs, slot, length), self.dst_at(length, chunk, j), self.sems.at[2, slot]
+    )
+
+  def start_loads(self, slot):
+    return lambda *seg: [copy.start() for copy in self.loads(slot, *seg)]
+
+  def add_and_store(self, slot):
+    def run(length, chunk, j):
+      own, received = self.vmem(self.own_bufs, slot, length), self.vmem(self.in_bufs, slot, length)
+      add_in_vmem(own, received, length)
+      self.store(slot, length, chunk, j).start()
+
+    return run
 
 
 def _slot_chunks(schedule: schedule_lib.Schedule, stream: int) -> int:
@@ -330,197 +279,304 @@ def _tail_stream_piece(layout: Layout, slab_pieces) -> tuple[int, int] | None:
   return stream, next(k for k, (o, size) in enumerate(slab_pieces) if o <= offset < o + size)
 
 
-def _reduce_scatter_kernel(
-  schedule, topo_args, layout, slab_pieces, own_out, coords_ref, x_ref, acc_ref, *refs
-):
-  streams = schedule.num_streams
-  tail_at = _tail_stream_piece(layout, slab_pieces)
-  refs = list(refs)
-  out_ref = refs.pop(0) if own_out else None  # the own chunk's sum, when asked for alone
-  recv_refs = [refs.pop(0) for _ in range(streams)]  # per stream: slots x chunks x slice
-  tail_slots = [refs.pop(0) for _ in range(_RECV_SLOTS)] if tail_at else None
-  send_sems, recv_sems, capacity, buf_own, buf_in, local_sems = refs[:6]
-  tail_own, tail_in = refs[6:] if tail_at else (None, None)
-  topo = _Topology(*topo_args, coords_ref)
-  steps = schedule.steps()
-  phase_of = _phase_index(schedule)
-  L, align, n = layout.slice_elements, layout.align, layout.n
-  block = min(layout.piece_elements, L)
-  slot_sizes = [_slot_chunks(schedule, k) * L for k in range(streams)]
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=[
+    "send_sems",
+    "recv_sems",
+    "capacity",
+    "own_vmem",
+    "in_vmem",
+    "local_sems",
+    "tail_own",
+    "tail_in",
+  ],
+  meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class _ReduceScatterScratch:
+  """The reduce-scatter kernel's scratch (module doc, Synchronisation), in this order:
+  ``send_sems`` and ``recv_sems``, the remote DMAs' semaphores per (stream, receive slot,
+  piece); ``capacity``, the slots' handshake per (stream, phase, slot); ``own_vmem`` and
+  ``in_vmem``, two blocks each of the own and the received terms being added, and
+  ``local_sems`` per (own load | received load | store, block); with a tail, ``tail_own``
+  and ``tail_in``, VMEM arrays of its length (``None`` without one)."""
 
-  def own_terms(tr, t):
-    # In a stream's first phase no slab is received twice, so the own term of every add
-    # is still the input's; later phases add to sums this kernel stored. The input is
-    # only ever read, so XLA need not copy an input it may not clobber.
-    return x_ref if phase_of[tr.stream][t] == phase_of[tr.stream][0] else acc_ref
+  send_sems: object
+  recv_sems: object
+  capacity: object
+  own_vmem: object
+  in_vmem: object
+  local_sems: object
+  tail_own: object = None
+  tail_in: object = None
 
-  def in_grid(ref, tr, piece_offset):  # (length, chunk, j) -> a segment of a chunk
-    offset = tr.stream * L + piece_offset
-    return lambda length, chunk, j: at(ref, chunk * layout.stride + offset, length, align)
 
-  def in_slot(tr, slot, piece_offset):  # (length, chunk, j) -> the segment in a slot
-    base = slot * slot_sizes[tr.stream] + piece_offset
-    return lambda length, chunk, j: at(recv_refs[tr.stream], base + j * L, length, align)
+class _ReduceScatter:
+  """One device's reduce-scatter inside the kernel: the addressing of its refs and the
+  sections of its protocol, which ``_reduce_scatter_kernel`` runs in order.
 
-  def piece_copy(tr, slot, k, src, dst, length, chunk, j):
+  ``refs`` are the kernel's ``(x_ref, acc_ref, own_ref, recv_slots, tail_slots)``: the
+  input, the work buffer, the own chunk's output (``None`` unless asked for), the
+  receive slots of each stream (HBM, double-buffered, chunk ``j`` of a slab at
+  ``j * L``) and the tail's two receive slots (``None`` without a tail).
+  """
+
+  def __init__(
+    self,
+    schedule: schedule_lib.Schedule,
+    topo: Topology,
+    layout: Layout,
+    slab_pieces,
+    refs: tuple,
+    scratch: _ReduceScatterScratch,
+  ):
+    self.schedule, self.topo, self.layout, self.slab_pieces = schedule, topo, layout, slab_pieces
+    self.x_ref, self.acc_ref, self.own_ref, self.recv_slots, self.tail_slots = refs
+    self.scratch = scratch
+    self.steps = schedule.steps()
+    self.phase_of = _phase_index(schedule)
+    self.tail_at = _tail_stream_piece(layout, slab_pieces)
+    self.block = min(layout.piece_elements, layout.slice_elements)
+    self.slot_sizes = [
+      _slot_chunks(schedule, k) * layout.slice_elements for k in range(schedule.num_streams)
+    ]
+
+  def slab(self, tr: schedule_lib.Transfer, *, sending: bool) -> Slab:
+    """The slab this device sends (or receives) in ``tr``."""
+    return self.topo.slab_chunks(tr, self.topo.slab(tr.phase, tr.step, sending=sending))
+
+  def sent_terms(self, t: int):
+    """What step ``t`` sends from: the input's terms at step 0; every later slab sent was
+    summed into the work buffer a step before."""
+    return self.x_ref if t == 0 else self.acc_ref
+
+  def own_terms(self, tr: schedule_lib.Transfer, t: int):
+    """The own terms step ``t`` adds to what ``tr`` brings. In a stream's first phase no
+    slab is received twice, so they are still the input's; later phases add to sums this
+    kernel stored. The input is only ever read, so XLA need not copy an input it may not
+    clobber."""
+    phase_of = self.phase_of[tr.stream]
+    return self.x_ref if phase_of[t] == phase_of[0] else self.acc_ref
+
+  def forwards(self, t: int, tr: schedule_lib.Transfer) -> bool:
+    """Whether step ``t + 1`` sends ``tr``'s stream's slab piece by piece, as step ``t``
+    sums it: within a ring phase the slab sent at step t + 1 is the one reduced at step t."""
+    return t + 1 < len(self.steps) and self.steps[t + 1][tr.stream].step > 0
+
+  def in_grid(self, ref, tr: schedule_lib.Transfer, piece_offset: int):
+    """``(length, chunk, j)`` -> that segment of a chunk of ``ref``'s grid."""
+    layout = self.layout
+    offset = tr.stream * layout.slice_elements + piece_offset
+    return lambda length, chunk, j: at(ref, chunk * layout.stride + offset, length, layout.align)
+
+  def in_slot(self, tr: schedule_lib.Transfer, slot: int, piece_offset: int):
+    """``(length, chunk, j)`` -> that segment of the ``j``-th chunk in a receive slot."""
+    base = slot * self.slot_sizes[tr.stream] + piece_offset
+    slots, L, align = self.recv_slots[tr.stream], self.layout.slice_elements, self.layout.align
+    return lambda length, chunk, j: at(slots, base + j * L, length, align)
+
+  def sum_destination(self, tr: schedule_lib.Transfer, t: int, piece_offset: int):
+    """Where step ``t`` stores its sums: the work buffer, or at the last step, with
+    ``own_ref``, the own chunk's output."""
+    if self.own_ref is None or t != len(self.steps) - 1:
+      return self.in_grid(self.acc_ref, tr, piece_offset)
+    offset = tr.stream * self.layout.slice_elements + piece_offset
+    return lambda length, chunk, j: at(self.own_ref, offset, length, self.layout.align)
+
+  def remote_copy(self, tr: schedule_lib.Transfer, slot: int, k: int, src, dst):
+    """A DMA of piece ``k`` of ``tr``'s slab into ``slot`` downstream: the piece's
+    semaphore pair counts all of its DMAs."""
     return pltpu.make_async_remote_copy(
-      src(length, chunk, j),
-      dst(length, chunk, j),
-      send_sems.at[tr.stream, slot, k],
-      recv_sems.at[tr.stream, slot, k],
-      device_id=topo.neighbour(tr.phase.axis, tr.phase.direction),
+      src,
+      dst,
+      self.scratch.send_sems.at[tr.stream, slot, k],
+      self.scratch.recv_sems.at[tr.stream, slot, k],
+      device_id=self.topo.neighbour(tr.phase.axis, tr.phase.direction),
     )
 
-  def tail_copy(tr, slot, k, src_ref):
-    # The buffer's last ``tail`` elements: a slice that ends where its array ends, into
-    # a slot of exactly that length (a DMA moves no other slice shorter than a word).
-    return pltpu.make_async_remote_copy(
-      src_ref.at[pl.ds(n - layout.tail, layout.tail)],
-      tail_slots[slot],
-      send_sems.at[tr.stream, slot, k],
-      recv_sems.at[tr.stream, slot, k],
-      device_id=topo.neighbour(tr.phase.axis, tr.phase.direction),
-    )
-
-  def piece_copies(tr, slot, k, src_ref, slab, action):
+  def piece_copies(self, tr, slot: int, k: int, src_ref, slab: Slab, action) -> None:
     """``action`` on every DMA of piece ``k`` of ``slab``: one per chunk, plus the tail's."""
-    piece_offset, size = slab_pieces[k]
-    src, dst = in_grid(src_ref, tr, piece_offset), in_slot(tr, slot, piece_offset)
+    layout = self.layout
+    piece_offset, size = self.slab_pieces[k]
+    src, dst = self.in_grid(src_ref, tr, piece_offset), self.in_slot(tr, slot, piece_offset)
+    start = tr.stream * layout.slice_elements + piece_offset
 
     def each_chunk(j):
       each_length(
         layout,
         slab,
         j,
-        tr.stream * L + piece_offset,
+        start,
         size,
-        lambda *seg: action(piece_copy(tr, slot, k, src, dst, *seg)),
+        lambda *seg: action(self.remote_copy(tr, slot, k, src(*seg), dst(*seg))),
         words=True,
       )
 
     for_each(slab.size, each_chunk)
-    if tail_at == (tr.stream, k):
+    if self.tail_at == (tr.stream, k):
 
       @pl.when(slab.holds(layout.last_chunk))
       def _tail():
-        action(tail_copy(tr, slot, k, src_ref))
+        # The buffer's last ``tail`` elements: a slice that ends where its array ends,
+        # into a slot of exactly that length (a DMA moves no other slice shorter than a
+        # word).
+        tail = src_ref.at[pl.ds(layout.n - layout.tail, layout.tail)]
+        action(self.remote_copy(tr, slot, k, tail, self.tail_slots[slot]))
 
-  def final_store(tr, t) -> bool:
-    return own_out and t == len(steps) - 1
-
-  with jax.named_scope("barrier"):
-    topo.barrier(schedule)
-
-  def forwards(t, tr) -> bool:
-    # Within a ring phase the slab sent at step t + 1 is the one reduced at step t, so
-    # each of its pieces is sent as soon as its sum is stored.
-    return t + 1 < len(steps) and steps[t + 1][tr.stream].step > 0
-
-  def send(t, tr, slab, pieces_to_send):
+  def send(self, t: int, tr: schedule_lib.Transfer, slab: Slab, pieces_to_send) -> None:
+    """Starts the DMAs of ``pieces_to_send`` of step ``t``'s ``slab``, after the capacity
+    wait where the downstream slot still holds step ``t - 2`` until freed."""
     slot = t % _RECV_SLOTS
     if pieces_to_send[0] == 0 and t >= _RECV_SLOTS:
-      # The downstream slot still holds step t - 2 until freed.
-      pl.semaphore_wait(capacity.at[tr.stream, phase_of[tr.stream][t], slot], 1)
-    # Step 0 sends the input's terms; every later slab sent was summed a step before.
+      pl.semaphore_wait(self.scratch.capacity.at[tr.stream, self.phase_of[tr.stream][t], slot], 1)
     for k in pieces_to_send:
-      piece_copies(tr, slot, k, x_ref if t == 0 else acc_ref, slab, lambda c: c.start())
+      self.piece_copies(tr, slot, k, self.sent_terms(t), slab, lambda c: c.start())
 
-  for t, transfers in enumerate(steps):
+  def reduce_piece(self, t: int, tr: schedule_lib.Transfer, k: int, slab: Slab) -> None:
+    """Waits for piece ``k`` of the received ``slab``, adds the own terms to it and stores
+    the sums; sends the piece on at once where step ``t + 1`` forwards it."""
+    layout, scratch = self.layout, self.scratch
     slot = t % _RECV_SLOTS
-    sent, received = [], []
+    piece_offset, size = self.slab_pieces[k]
+    # A piece's semaphore counts the DMAs of all its chunks: wait for all of them before
+    # adding any.
+    self.piece_copies(tr, slot, k, self.acc_ref, slab, lambda c: c.wait_recv())
+    own = self.own_terms(tr, t)
+    start = tr.stream * layout.slice_elements + piece_offset
+    _accumulate(
+      slab,
+      lambda j, fn: each_length(layout, slab, j, start, size, fn, words=True),
+      self.in_grid(own, tr, piece_offset),
+      self.in_slot(tr, slot, piece_offset),
+      self.sum_destination(tr, t, piece_offset),
+      scratch.own_vmem,
+      scratch.in_vmem,
+      scratch.local_sems,
+      self.block,
+    )
+    if self.tail_at == (tr.stream, k):
+      pl.when(slab.holds(layout.last_chunk))(
+        functools.partial(
+          _add_tail,
+          layout,
+          own,
+          self.tail_slots[slot],
+          self.acc_ref,
+          scratch.tail_own,
+          scratch.tail_in,
+          scratch.local_sems,
+        )
+      )
+    if self.forwards(t, tr):  # piece k of the next step's slab is summed: send it
+      later = self.steps[t + 1][tr.stream]
+      self.send(t + 1, later, self.slab(later, sending=True), [k])
+
+  def free_slot(self, t: int, tr: schedule_lib.Transfer) -> None:
+    """Signals the capacity of step ``t``'s slot to whoever fills it next (step
+    ``t + 2``'s upstream neighbour), once its sums are stored."""
+    if t + _RECV_SLOTS < len(self.steps):
+      later = self.steps[t + _RECV_SLOTS][tr.stream].phase
+      pl.semaphore_signal(
+        self.scratch.capacity.at[
+          tr.stream, self.phase_of[tr.stream][t + _RECV_SLOTS], t % _RECV_SLOTS
+        ],
+        1,
+        device_id=self.topo.neighbour(later.axis, -later.direction),
+      )
+
+  def wait_sent(self, t: int, tr: schedule_lib.Transfer, slab: Slab) -> None:
+    """Waits for this device's sends of step ``t``'s ``slab``, every piece."""
+    for k in range(len(self.slab_pieces)):
+      self.piece_copies(tr, t % _RECV_SLOTS, k, self.sent_terms(t), slab, lambda c: c.wait_send())
+
+
+def _reduce_scatter_kernel(
+  coords_ref,
+  x_ref,
+  acc_ref,
+  own_ref,
+  recv_slots,
+  tail_slots,
+  scratch: _ReduceScatterScratch,
+  *,
+  schedule: schedule_lib.Schedule,
+  axes: Sequence[str],
+  mesh_axes: Sequence[str],
+  layout: Layout,
+  slab_pieces,
+):
+  """The reduce-scatter (module doc): the entry barrier, then per step the sends, the
+  adds piece by piece as each lands (forwarding what the next step sends), the slots'
+  capacity signals and the waits for the sends."""
+  rs = _ReduceScatter(
+    schedule,
+    Topology(axes, schedule.torus, mesh_axes, coords_ref),
+    layout,
+    slab_pieces,
+    (x_ref, acc_ref, own_ref, recv_slots, tail_slots),
+    scratch,
+  )
+  with jax.named_scope("barrier"):
+    rs.topo.barrier(schedule)
+  for t, transfers in enumerate(rs.steps):
+    sent = []
     with jax.named_scope(f"send_step{t}"):
       for tr in transfers:
-        slab = topo.slab_chunks(tr, topo.slab(tr.phase, tr.step, sending=True))
+        slab = rs.slab(tr, sending=True)
         sent.append(slab)
-        if not (t > 0 and forwards(t - 1, tr)):  # else already sent, piece by piece
+        if not (t > 0 and rs.forwards(t - 1, tr)):  # else already sent, piece by piece
           # One DMA per chunk and piece, a semaphore pair per piece: the receiver adds
           # piece k while the link still carries pieces k + 1, ...
-          send(t, tr, slab, range(len(slab_pieces)))
+          rs.send(t, tr, slab, range(len(slab_pieces)))
     with jax.named_scope(f"reduce_step{t}"):
-      for tr in transfers:
-        received.append(topo.slab_chunks(tr, topo.slab(tr.phase, tr.step, sending=False)))
-      for k, (piece_offset, size) in enumerate(slab_pieces):
+      received = [rs.slab(tr, sending=False) for tr in transfers]
+      for k in range(len(slab_pieces)):
         for tr, slab in zip(transfers, received):
-          # A piece's semaphore counts the DMAs of all its chunks: wait for all of them
-          # before adding any.
-          piece_copies(tr, slot, k, acc_ref, slab, lambda c: c.wait_recv())
-          own = own_terms(tr, t)
-          if final_store(tr, t):  # the own chunk, into the output of its own
-            offset = tr.stream * L + piece_offset
-            dst = lambda length, chunk, j, o=offset: at(out_ref, o, length, align)
-          else:
-            dst = in_grid(acc_ref, tr, piece_offset)
-          _accumulate(
-            slab,
-            lambda j, fn, tr=tr, slab=slab, o=piece_offset, size=size: each_length(
-              layout, slab, j, tr.stream * L + o, size, fn, words=True
-            ),
-            in_grid(own, tr, piece_offset),
-            in_slot(tr, slot, piece_offset),
-            dst,
-            buf_own,
-            buf_in,
-            local_sems,
-            block,
-          )
-          if tail_at == (tr.stream, k):
-            pl.when(slab.holds(layout.last_chunk))(
-              functools.partial(
-                _add_tail, layout, own, tail_slots[slot], acc_ref, tail_own, tail_in, local_sems
-              )
-            )
-          if forwards(t, tr):  # piece k of the next step's slab is summed: send it
-            later = steps[t + 1][tr.stream]
-            send(
-              t + 1,
-              later,
-              topo.slab_chunks(later, topo.slab(later.phase, later.step, sending=True)),
-              [k],
-            )
+          rs.reduce_piece(t, tr, k, slab)
       for tr in transfers:
-        if t + _RECV_SLOTS < len(steps):  # free the slot for whoever fills it next
-          later = steps[t + _RECV_SLOTS][tr.stream].phase
-          pl.semaphore_signal(
-            capacity.at[tr.stream, phase_of[tr.stream][t + _RECV_SLOTS], slot],
-            1,
-            device_id=topo.neighbour(later.axis, -later.direction),
-          )
+        rs.free_slot(t, tr)
       for tr, slab in zip(transfers, sent):
-        for k in range(len(slab_pieces)):
-          piece_copies(tr, slot, k, x_ref if t == 0 else acc_ref, slab, lambda c: c.wait_send())
+        rs.wait_sent(t, tr, slab)
 
 
 def _add_tail(layout: Layout, own_ref, slot_ref, acc_ref, own_vmem, in_vmem, sems) -> None:
   """``acc[n - tail:] = own[n - tail:] + slot`` through VMEM arrays of exactly the tail's
   length (the only VMEM destination a DMA shorter than a word may have)."""
   tail = pl.ds(layout.n - layout.tail, layout.tail)
-  loads = (
-    pltpu.make_async_copy(own_ref.at[tail], own_vmem, sems.at[0, 0]),
-    pltpu.make_async_copy(slot_ref, in_vmem, sems.at[1, 0]),
+  copy_and_wait(
+    [
+      pltpu.make_async_copy(own_ref.at[tail], own_vmem, sems.at[0, 0]),
+      pltpu.make_async_copy(slot_ref, in_vmem, sems.at[1, 0]),
+    ]
   )
-  for copy in loads:
-    copy.start()
-  for copy in loads:
-    copy.wait()
   own_vmem[...] = _add(own_vmem[...], in_vmem[...])
-  store = pltpu.make_async_copy(own_vmem, acc_ref.at[tail], sems.at[2, 0])
-  store.start()
-  store.wait()
+  copy_and_wait([pltpu.make_async_copy(own_vmem, acc_ref.at[tail], sems.at[2, 0])])
 
 
 def _all_gather_kernel(
-  schedule, topo_args, layout, coords_ref, x_ref, out_ref, send_sems, recv_sems, local_sem
+  coords_ref,
+  x_ref,
+  out_ref,
+  send_sems,
+  recv_sems,
+  local_sem,
+  *,
+  schedule: schedule_lib.Schedule,
+  axes: Sequence[str],
+  mesh_axes: Sequence[str],
+  layout: Layout,
 ):
-  topo = _Topology(*topo_args, coords_ref)
+  """The all-gather (module doc): the own chunk into its place unless ``x_ref`` is the
+  output, the entry barrier, then per step every stream's slab straight into the same
+  place downstream; ``send_sems`` and ``recv_sems`` per (stream, step)."""
+  topo = Topology(axes, schedule.torus, mesh_axes, coords_ref)
   L, align = layout.slice_elements, layout.align
   grid = schedule.torus
   if x_ref.shape != out_ref.shape:  # the own chunk alone: place it first
     own = sum(c * math.prod(grid[a + 1 :]) for a, c in enumerate(topo.coords))
-    copy = pltpu.make_async_copy(
-      x_ref, at(out_ref, own * layout.stride, layout.stride, align), local_sem
-    )
-    copy.start()
-    copy.wait()
+    place = at(out_ref, own * layout.stride, layout.stride, align)
+    copy_and_wait([pltpu.make_async_copy(x_ref, place, local_sem)])
   else:  # the whole grid, aliased with the output: the own chunk is already in place
     del x_ref, local_sem
 
@@ -611,12 +667,6 @@ def _schedule_cost(
   )
 
 
-def _hbm_like(x: jax.Array, shape):
-  """An output type of ``shape`` in HBM, varying over the same mesh axes as ``x``. Left
-  free, XLA may place a small output in another memory space and copy it out again."""
-  return pltpu.HBM.from_type(jax.typeof(x).update(shape=tuple(shape), weak_type=False))
-
-
 def reduce_scatter_call(
   x: jax.Array,
   schedule: schedule_lib.Schedule,
@@ -636,11 +686,11 @@ def reduce_scatter_call(
   phases = max(len(p) for p in schedule.streams)
   slab_pieces = pieces(layout.slice_elements, layout.piece_elements)
   semaphores = 2 * streams * _RECV_SLOTS * len(slab_pieces) + streams * phases * _RECV_SLOTS
-  if semaphores > _MAX_SEMAPHORES:
+  if semaphores > MAX_SEMAPHORES:
     raise ValueError(
       f"{len(slab_pieces)} pieces of {layout.piece_elements // 128} rows (block_rows) per "
       f"slice of {layout.slice_elements // 128} rows need {semaphores} semaphores, more "
-      f"than the {_MAX_SEMAPHORES} a kernel may hold; pass a larger "
+      f"than the {MAX_SEMAPHORES} a kernel may hold; pass a larger "
       "KernelConfig(block_rows=...)"
     )
   tail_at = _tail_stream_piece(layout, slab_pieces)
@@ -648,43 +698,46 @@ def reduce_scatter_call(
     raise ValueError(f"own_out needs whole DMA words per chunk: {layout}")
   kernel = functools.partial(
     _reduce_scatter_kernel,
-    schedule,
-    (tuple(axes), schedule.torus, tuple(mesh_axes)),
-    layout,
-    slab_pieces,
-    own_out,
+    schedule=schedule,
+    axes=tuple(axes),
+    mesh_axes=tuple(mesh_axes),
+    layout=layout,
+    slab_pieces=slab_pieces,
   )
   block = min(layout.piece_elements, layout.slice_elements)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   # Receive slots live in HBM; an output is how a kernel gets an HBM buffer. One per
   # stream, holding its largest slab twice (double-buffered); two more of the tail's
-  # length when the buffer ends inside a DMA word.
-  outputs = [(layout.n,)]
-  if own_out:
-    outputs.append((layout.stride,))
-  outputs += [
-    (_RECV_SLOTS * _slot_chunks(schedule, k) * layout.slice_elements,) for k in range(streams)
-  ]
-  scratch = [
-    pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS, len(slab_pieces))),
-    pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS, len(slab_pieces))),
-    pltpu.SemaphoreType.REGULAR((streams, phases, _RECV_SLOTS)),
-    pltpu.VMEM((2 * block,), x.dtype),
-    pltpu.VMEM((2 * block,), x.dtype),
-    pltpu.SemaphoreType.DMA((3, 2)),
-  ]
-  if tail_at:
-    outputs += [(layout.tail,)] * _RECV_SLOTS
-    scratch += [pltpu.VMEM((layout.tail,), x.dtype)] * 2
+  # length when the buffer ends inside a DMA word. The outputs, as the kernel names them:
+  # the work buffer, the own chunk (or None), the slots, the tail's slots (or None).
+  out_shape = (
+    hbm_like(x, (layout.n,)),
+    hbm_like(x, (layout.stride,)) if own_out else None,
+    tuple(
+      hbm_like(x, (_RECV_SLOTS * _slot_chunks(schedule, k) * layout.slice_elements,))
+      for k in range(streams)
+    ),
+    (hbm_like(x, (layout.tail,)),) * _RECV_SLOTS if tail_at else None,
+  )
+  scratch = _ReduceScatterScratch(
+    send_sems=pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS, len(slab_pieces))),
+    recv_sems=pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS, len(slab_pieces))),
+    capacity=pltpu.SemaphoreType.REGULAR((streams, phases, _RECV_SLOTS)),
+    own_vmem=pltpu.VMEM((2 * block,), x.dtype),
+    in_vmem=pltpu.VMEM((2 * block,), x.dtype),
+    local_sems=pltpu.SemaphoreType.DMA((3, 2)),
+    tail_own=pltpu.VMEM((layout.tail,), x.dtype) if tail_at else None,
+    tail_in=pltpu.VMEM((layout.tail,), x.dtype) if tail_at else None,
+  )
   grid_spec = pltpu.PrefetchScalarGridSpec(
     num_scalar_prefetch=1,
     in_specs=[any_spec],
-    out_specs=(any_spec,) * len(outputs),
-    scratch_shapes=scratch,
+    out_specs=jax.tree.map(lambda _: any_spec, out_shape),
+    scratch_shapes=[scratch],
   )
-  acc, *rest = pl.pallas_call(
+  acc, own, _, _ = pl.pallas_call(
     kernel,
-    out_shape=tuple(_hbm_like(x, shape) for shape in outputs),
+    out_shape=out_shape,
     grid_spec=grid_spec,
     cost_estimate=_schedule_cost(schedule, layout, reduce=True),
     compiler_params=pltpu.CompilerParams(
@@ -693,7 +746,7 @@ def reduce_scatter_call(
     ),
     name=f"torus_reduce_scatter_{'_'.join(axes)}",
   )(mesh_coordinates(mesh_axes), x)
-  return rest[0] if own_out else acc
+  return own if own_out else acc
 
 
 def all_gather_call(
@@ -714,7 +767,11 @@ def all_gather_call(
   steps, streams = schedule.num_steps, schedule.num_streams
   in_place = x.shape == (layout.n,)
   kernel = functools.partial(
-    _all_gather_kernel, schedule, (tuple(axes), schedule.torus, tuple(mesh_axes)), layout
+    _all_gather_kernel,
+    schedule=schedule,
+    axes=tuple(axes),
+    mesh_axes=tuple(mesh_axes),
+    layout=layout,
   )
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -729,7 +786,7 @@ def all_gather_call(
   )
   return pl.pallas_call(
     kernel,
-    out_shape=_hbm_like(x, (layout.n,)),
+    out_shape=hbm_like(x, (layout.n,)),
     grid_spec=grid_spec,
     input_output_aliases={1: 0} if in_place else {},
     cost_estimate=_schedule_cost(

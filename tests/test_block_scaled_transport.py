@@ -18,7 +18,7 @@ from jax import lax
 import torus_collectives as tc
 from torus_collectives import quantization
 from torus_collectives.backends import shard_map as backend
-from torus_collectives.layout import ceil_div
+from torus_collectives.tiling import ceil_div
 
 INT8 = tc.BlockScaled("int8")
 TORI = {"1d": (8,), "2d": (2, 4), "3d": (2, 2, 2)}

@@ -25,7 +25,7 @@ from torus_collectives import schedule as schedule_lib
 from torus_collectives.backends import shard_map as backend
 from torus_collectives.kernels import quantized_kernels as qk
 from torus_collectives.kernels import torus_kernels
-from torus_collectives.layout import ceil_div
+from torus_collectives.tiling import ceil_div
 
 INT8 = quantization.BlockScaled("int8")
 KERNELS = {
@@ -313,23 +313,23 @@ def test_compiled_bytes_against_the_bfloat16_kernel_on_v5e_4x4():
   bfloat16 data and 0.40 of the float32 kernel's (the wire is VMEM to VMEM; what remains
   is the float32 own terms read at every hop and the float32 result written once). The
   wire bytes are 0.52 of the bfloat16 kernel's."""
-  from bench import aot_report
+  from torus_collectives.testing import aot
 
   elements = 2**20
   mesh, compiled = _compile("v5e:4x4", elements)
-  glue = aot_report.glue(compiled)
-  assert [g for g in glue if g not in aot_report.output_copies(glue)] == []
-  ours = aot_report.collective_bytes(compiled)
+  glue = aot.glue(compiled)
+  assert [g for g in glue if g not in aot.output_copies(glue)] == []
+  ours = aot.collective_bytes(compiled)
   schedule = schedule_lib.build("all_reduce", (4, 4), "torus_split")
   lay = qk.QLayout(schedule, elements // (16 * 4 * 128))
   declared = qk.cost(schedule, lay, "all_reduce")
   # The kernel's declared bytes, and a few KB of XLA's small ops (the mesh coordinates).
   assert declared.bytes_accessed <= ours <= declared.bytes_accessed + 16 * 1024
   # The blocking kernels are at their floor 7 (p-1)/p S (test_kernels_aot.py).
-  bf16_floor = aot_report.ideal_bytes(mesh.size, 2 * elements)
+  bf16_floor = aot.ideal_bytes(mesh.size, 2 * elements)
   assert ours < 0.82 * bf16_floor
-  assert ours < 0.41 * aot_report.ideal_bytes(mesh.size, 4 * elements)
-  bf16_wire = aot_report.wire_bound(mesh.size, 2 * elements)  # what the bf16 kernel sends
+  assert ours < 0.41 * aot.ideal_bytes(mesh.size, 4 * elements)
+  bf16_wire = aot.wire_bound(mesh.size, 2 * elements)  # what the bf16 kernel sends
   assert 0.5 < declared.remote_bytes_transferred / bf16_wire < 0.53
 
 
@@ -354,15 +354,15 @@ def test_resnet50_gradient_int8_against_bf16_transport_compiled_alike(topology, 
   Compiler estimates, not measurements; ``python -m bench.block_scaled_bytes_report``
   tabulates them with the same functions (``bench/results/block_scaled_bytes.json``)."""
   pytest.importorskip("libtpu", reason="ahead-of-time TPU compiles need libtpu")
-  from bench import aot_report
   from bench import block_scaled_bytes_report as report
+  from torus_collectives.testing import aot
 
-  elements = aot_report.RESNET50_PARAMS
+  elements = aot.RESNET50_PARAMS
   int8 = report.measure_side(topology, elements, dtype, "int8")
   (consumer,) = int8.ops
-  assert consumer["root"] and consumer["op"] == "fusion", aot_report.describe(int8.ops)
+  assert consumer["root"] and consumer["op"] == "fusion", aot.describe(int8.ops)
   assert consumer["elements"] == elements
-  declared = report.declared_cost(aot_report.topology_mesh(topology), elements, dtype)
+  declared = report.declared_cost(aot.topology_mesh(topology), elements, dtype)
   assert int8.kernel_bytes == declared.bytes_accessed
   # Beyond the kernel's declared bytes and the 2 *'s read and write: XLA's small ops (the
   # mesh coordinates, the tail's slice and pad) and padding to whole tiles, some tens of KB.

@@ -1,6 +1,6 @@
 """Torus collectives as chains of split ring phases (``kernels/split_collectives.py``).
 
-In TPU interpret mode through the split-call extension (``async_interpret``), race detector
+In TPU interpret mode through the split-call extension (``testing.split_interpret``), race detector
 on, both DMA execution modes, on small integers (exact in float32 and bfloat16 at these
 sums): the split all-reduce, reduce-scatter and all-gather over every axis of a 2x4 and a
 2x2x2 mesh (and 4x4, in a subprocess with 16 devices) equal ``lax.psum``,
@@ -21,13 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from async_interpret import async_interpret_mode
 from device_count_subprocess import run_as_script
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from torus_collectives import schedule as schedule_lib
 from torus_collectives.kernels import split_collectives
+from torus_collectives.testing.split_interpret import async_interpret_mode
 
 pytestmark = pytest.mark.timeout(300, method="thread")
 
@@ -54,7 +54,7 @@ def _run_all_three(mesh, x, mode, variant="torus"):
     gathered = split_collectives.run("all_gather", scattered, axes, names, variant=variant)
     return (reduced, scattered, gathered), jnp.stack(hooks)
 
-  def references(v):  # a program of its own (see test_async_torus._phase_and_compute)
+  def references(v):  # a program of its own (see test_split_rings._phase_and_compute)
     scattered = lax.psum_scatter(v, names, tiled=True)
     return lax.psum(v, names), scattered, lax.all_gather(scattered, names, tiled=True)
 

@@ -1,7 +1,7 @@
-"""The split ring phases (``kernels/async_torus.py``): start, steps and done as separate
+"""The split ring phases (``kernels/split_rings.py``): start, steps and done as separate
 Pallas calls, for the all-gather and the reduce-scatter along one axis.
 
-* In TPU interpret mode through the split-call extension (``async_interpret``), race
+* In TPU interpret mode through the split-call extension (``testing.split_interpret``), race
   detector on, both DMA execution modes: exact against ``lax.all_gather(tiled=True)`` and
   ``lax.psum_scatter(tiled=True)`` on small integers (int32, float32 and bfloat16 holding
   small integers) on an 8-device ring, on the y axis (4) and the x axis (2: start and done,
@@ -21,14 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from async_interpret import NeverWaitedError, async_interpret_mode
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from torus_collectives import schedule as schedule_lib
-from torus_collectives.kernels import async_torus, torus_kernels
+from torus_collectives.kernels import split_rings, torus_kernels
+from torus_collectives.testing.split_interpret import NeverWaitedError, async_interpret_mode
 
 pytestmark = pytest.mark.timeout(300, method="thread")
 
@@ -56,7 +56,7 @@ def _phase_and_compute(kind, mesh_shape, mesh_axes, axis, x, w, mode, direction=
   }[kind]
 
   def body(v, w):
-    out, products = async_torus.ring_phase(
+    out, products = split_rings.ring_phase(
       kind,
       v,
       axis,
@@ -103,7 +103,7 @@ DTYPES = {"int32": np.int32, "float32": np.float32, "bfloat16": jnp.bfloat16}
 @pytest.mark.interpret
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("case", list(MESHES))
-@pytest.mark.parametrize("kind", async_torus.KINDS)
+@pytest.mark.parametrize("kind", split_rings.KINDS)
 @pytest.mark.parametrize("mode", harness.DMA_MODES)
 def test_split_phase_matches_lax(mode, kind, case, dtype):
   """Exact against ``lax`` and numpy (bfloat16 on the wire, sums of small integers are
@@ -130,7 +130,7 @@ def test_split_phase_matches_lax(mode, kind, case, dtype):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("kind", async_torus.KINDS)
+@pytest.mark.parametrize("kind", split_rings.KINDS)
 @pytest.mark.parametrize("mode", harness.DMA_MODES)
 def test_counter_clockwise_phase_matches_lax(mode, kind):
   """``direction=-1``: every device sends to the previous coordinate; the same result."""
@@ -150,12 +150,12 @@ def _waits_receive_only(self, x_ref, buffer_ref, hop, send, recv, *, remote=True
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("kind", async_torus.KINDS)
+@pytest.mark.parametrize("kind", split_rings.KINDS)
 @pytest.mark.parametrize("mode", harness.DMA_MODES)
 def test_skipped_send_wait_is_reported(mode, kind, monkeypatch):
   """Calls that never wait for their own sends leave the semaphores the previous call
   returned counting: the block reports it instead of returning the (correct) data."""
-  monkeypatch.setattr(async_torus._Ring, "wait_hop", _waits_receive_only)
+  monkeypatch.setattr(split_rings._Ring, "wait_hop", _waits_receive_only)
   x = harness.small_integers((DEVICES, 8 * 128 if kind == "reduce_scatter" else 128), np.int32)
   w = harness.small_integers((DEVICES, SIDE, SIDE), np.float32)
   with pytest.raises(NeverWaitedError, match=f"async_{kind}_(start|step)"):
@@ -163,7 +163,7 @@ def test_skipped_send_wait_is_reported(mode, kind, monkeypatch):
 
 
 @pytest.mark.parametrize("direction", [1, -1])
-@pytest.mark.parametrize("kind", async_torus.KINDS)
+@pytest.mark.parametrize("kind", split_rings.KINDS)
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_chunks_follow_the_ring_schedule(n, kind, direction):
   """The chunk each position sends and receives at each hop is the schedule's
@@ -175,7 +175,7 @@ def test_chunks_follow_the_ring_schedule(n, kind, direction):
   phase = dataclasses.replace(phases[0], direction=direction)
   for p in range(n):
     coords = np.array([p], np.int32)
-    ring = async_torus._Ring(kind, "x", n, ("x",), coords, 128, direction=direction)
+    ring = split_rings._Ring(kind, "x", n, ("x",), coords, 128, direction=direction)
     sent = [int(ring.sent(t)) for t in range(n - 1)]
     received = [int(ring.received(t)) for t in range(n - 1)]
     assert sent == [phase.send_slab(p, t, n) for t in range(n - 1)]
@@ -187,7 +187,7 @@ def test_chunks_follow_the_ring_schedule(n, kind, direction):
       assert received[-1] == p
 
 
-@pytest.mark.parametrize("kind", async_torus.KINDS)
+@pytest.mark.parametrize("kind", split_rings.KINDS)
 def test_collective_id_is_its_own(kind):
   """The calls' barrier uses the split pattern's collective id, not the blocking kernel's;
   done uses none."""
@@ -195,11 +195,11 @@ def test_collective_id_is_its_own(kind):
   cid = torus_kernels.collective_id(f"async_{kind}", ("y",), schedule)
   assert cid != torus_kernels.collective_id(kind, ("y",), schedule)
   # The other direction signals the other neighbours: a barrier semaphore of its own.
-  assert cid != torus_kernels.collective_id(async_torus.pattern(kind, -1), ("y",), schedule)
+  assert cid != torus_kernels.collective_id(split_rings.pattern(kind, -1), ("y",), schedule)
   mesh = harness.mesh((2, 4), ("x", "y"))
   spec = P(("x", "y"))
   fn = jax.shard_map(
-    lambda v: async_torus.ring_phase(kind, v[0], "y", 4, ("x", "y"))[None],
+    lambda v: split_rings.ring_phase(kind, v[0], "y", 4, ("x", "y"))[None],
     mesh=mesh,
     in_specs=spec,
     out_specs=spec,
@@ -226,21 +226,21 @@ def _mosaic_params(eqn):
 def test_refuses_what_it_does_not_handle():
   x = jnp.zeros((100,), jnp.float32)
   with pytest.raises(ValueError, match="multiple of 128"):
-    async_torus.ring_start("all_gather", x, "x", 4, ("x",))
+    split_rings.ring_start("all_gather", x, "x", 4, ("x",))
   with pytest.raises(ValueError, match="multiple of 256"):
-    async_torus.ring_start("all_gather", jnp.zeros((128,), jnp.bfloat16), "x", 4, ("x",))
+    split_rings.ring_start("all_gather", jnp.zeros((128,), jnp.bfloat16), "x", 4, ("x",))
   with pytest.raises(ValueError, match="32-bit type or a 16-bit float"):
-    async_torus.ring_start("all_gather", jnp.zeros((512,), jnp.int16), "x", 4, ("x",))
+    split_rings.ring_start("all_gather", jnp.zeros((512,), jnp.int16), "x", 4, ("x",))
   with pytest.raises(ValueError, match="n >= 2"):
-    async_torus.ring_start("all_gather", jnp.zeros((128,), jnp.int32), "x", 1, ("x",))
+    split_rings.ring_start("all_gather", jnp.zeros((128,), jnp.int32), "x", 1, ("x",))
   with pytest.raises(ValueError, match="multiple of 4"):
-    async_torus.ring_start("reduce_scatter", jnp.zeros((514,), jnp.int32), "x", 4, ("x",))
+    split_rings.ring_start("reduce_scatter", jnp.zeros((514,), jnp.int32), "x", 4, ("x",))
   with pytest.raises(ValueError, match="pad the buffer"):
-    async_torus.ring_start("reduce_scatter", jnp.zeros((4 * 64,), jnp.int32), "x", 4, ("x",))
+    split_rings.ring_start("reduce_scatter", jnp.zeros((4 * 64,), jnp.int32), "x", 4, ("x",))
   with pytest.raises(ValueError, match="not one of"):
-    async_torus.ring_start("all_gather", jnp.zeros((128,), jnp.int32), "y", 4, ("x",))
+    split_rings.ring_start("all_gather", jnp.zeros((128,), jnp.int32), "y", 4, ("x",))
   with pytest.raises(ValueError, match="one of"):
-    async_torus.ring_start("all_reduce", jnp.zeros((128,), jnp.int32), "x", 4, ("x",))
+    split_rings.ring_start("all_reduce", jnp.zeros((128,), jnp.int32), "x", 4, ("x",))
 
 
 # ------------------------------------------------------------------ ahead of time (TPU)
@@ -253,14 +253,14 @@ def _compiled_schedule(kind):
   """The y-axis split ``kind`` phase on v5e:2x4 with one independent matmul per gap,
   compiled; the entry computation's ops in schedule order."""
   pytest.importorskip("libtpu", reason=aot_skip.REASON)
-  from bench import aot_report, hlo_schedule
+  from torus_collectives.testing import aot, hlo_schedule
 
-  mesh = aot_report.topology_mesh("v5e:2x4")
+  mesh = aot.topology_mesh("v5e:2x4")
   assert dict(mesh.shape) == {"x": 2, "y": 4}
   spec = P(mesh.axis_names)
 
   def body(v, a, b):
-    out, products = async_torus.ring_phase(
+    out, products = split_rings.ring_phase(
       kind, v, "y", 4, ("x", "y"), between=lambda i, a, b: a[i] @ b, operands=(a, b)
     )
     return out, jnp.stack(products)
@@ -283,7 +283,7 @@ def _compiled_schedule(kind):
 
 @pytest.mark.aot
 @pytest.mark.timeout(600, method="thread")
-@pytest.mark.parametrize("kind", async_torus.KINDS)
+@pytest.mark.parametrize("kind", split_rings.KINDS)
 def test_compiled_schedule_overlaps_matmuls_in_place(kind):
   ops, text = _compiled_schedule(kind)
   names = [op.name for op in ops]
@@ -340,7 +340,7 @@ def test_without_pins_xla_moves_the_matmuls_after_done(monkeypatch):
   """Why ``pin`` exists: with the hook's compute tied to nothing, XLA schedules every
   matmul after the done call, the four calls back to back (no overlap at all). If this
   starts failing, XLA keeps the compute in the window by itself."""
-  monkeypatch.setattr(async_torus, "pin", lambda state, values: (state, values))
+  monkeypatch.setattr(split_rings, "pin", lambda state, values: (state, values))
   ops, _ = _compiled_schedule("all_gather")
   done = max(i for i, op in enumerate(ops) if op.kind == "pallas")
   matmuls = [i for i, op in enumerate(ops) if "dot_general" in op.op_name]
