@@ -1,8 +1,8 @@
 """How much gradient communication a compiled ResNet training step exposes.
 
 Compiles, ahead of time on a CPU host with libtpu, the ResNet example's own data-parallel
-train step (``resnet.train.make_train_step`` with the imagenet config) for a TPU topology,
-reads its scheduled program (``bench.hlo_schedule``: ENTRY order, async start/done
+train step (``resnet.train.build_train_step`` with the imagenet config) for a TPU topology,
+reads its scheduled program (``testing.hlo_schedule``: ENTRY order, async start/done
 pairs, Pallas calls, the compiler's ``estimated_cycles``) and prices every gradient
 collective with ``torus_collectives.cost_model`` (the split torus schedule over the
 collective's mesh axes, on the generation's links). A synchronous collective blocks; an
@@ -22,6 +22,7 @@ its flags once per process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import subprocess
@@ -32,12 +33,12 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bench import hlo_schedule
-from bench.aot_report import topology_mesh
-from resnet import optim, train
+from resnet import grad_sync, train
 from resnet.configs import imagenet
 from torus_collectives import cost_model, xla_settings
 from torus_collectives.gradients import GRADIENT_SCOPE, WEIGHT_GATHER_SCOPE
+from torus_collectives.testing import hlo_schedule
+from torus_collectives.testing.aot import topology_mesh
 
 ROWS = {
   # label: (implementation, weight-update sharding, XLA settings, summation threaded)
@@ -100,8 +101,9 @@ def lower_train_step(
   """The example's train step, lowered for ``topology`` with abstract state and batch;
   ``overlap``: ``config.grad_overlap`` (None: the config's); ``threaded_update`` False:
   with it, the optimizer's step after the last call (``update_after``); ``mesh_shape``: a
-  torus mesh of that shape (``aot_report.topology_mesh``; default 2-D); ``image_size``:
-  the images' side (default: the config's)."""
+  torus mesh of that shape (``testing.aot.topology_mesh``; default 2-D); ``image_size``:
+  the images' side (default: the config's). A combination the example refuses (such as
+  ``overlap`` with weight-update sharding) raises its ``ValueError``."""
   mesh = topology_mesh(topology, mesh_shape)
   config = imagenet.get_config(global_batch=batch * mesh.devices.size)
   config.model = model
@@ -116,20 +118,31 @@ def lower_train_step(
   if sharded is not None:
     config.weight_update_sharding = sharded
     config.defer_weight_gather = sharded and config.defer_weight_gather
-  net = train.create_model(config, 1000, mesh)
-  learning_rate_fn = train.create_learning_rate_fn(config, steps_per_epoch=100, total_steps=10_000)
-  tx, opt_state_spec = optim.create_optimizer(config, learning_rate_fn, mesh.axis_names)
-  init = train.make_init_fn(net, tx, config.image_size, mesh, opt_state_spec)
-  layout = train.params_layout(config, net, tx, mesh, jax.eval_shape(init, jax.random.key(0)))
-  specs = train.state_specs(opt_state_spec, layout.spec)
+  built = train.build_train_step(
+    config, mesh, num_classes=1000, steps_per_epoch=100, total_steps=10_000
+  )
+  step = built.train_step
+  if isinstance(built.sync, grad_sync.ThreadedAllReduce) and not threaded_update:
+    sync = dataclasses.replace(
+      built.sync, value_and_averaged_grad=update_after(built.sync.value_and_averaged_grad)
+    )
+    step = train.make_train_step(
+      built.model,
+      sync.tx,
+      built.learning_rate_fn,
+      mesh,
+      num_classes=1000,
+      label_smoothing=config.label_smoothing,
+      sync=sync,
+    )
 
   def abstract(spec, subtree):
     sharding = NamedSharding(mesh, spec)
     as_abstract = lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
     return jax.tree.map(as_abstract, subtree)
 
-  running = jax.eval_shape(lambda key: layout.to_running(init(key)), jax.random.key(0))
-  state = jax.tree.map(abstract, specs, running, is_leaf=lambda x: isinstance(x, P))
+  running = jax.eval_shape(lambda key: built.sync.layout.to_running(built.init_fn(key)), built.key)
+  state = jax.tree.map(abstract, built.running_spec, running, is_leaf=lambda x: isinstance(x, P))
   split = NamedSharding(mesh, P(mesh.axis_names))
   examples = batch * mesh.devices.size
   size = config.image_size
@@ -138,26 +151,11 @@ def lower_train_step(
     "image": jax.ShapeDtypeStruct((examples, size, size, 3), dtype, sharding=split),
     "label": jax.ShapeDtypeStruct((examples,), jnp.int32, sharding=split),
   }
-  threading = train.gradient_threading(config)
-  if threading is not None and not threaded_update:
-    threading = update_after(threading)
-  step = train.make_train_step(
-    net,
-    tx,
-    learning_rate_fn,
-    mesh,
-    num_classes=1000,
-    label_smoothing=config.label_smoothing,
-    average_gradients=train.gradient_averaging(config),
-    opt_state_spec=opt_state_spec,
-    layout=layout,
-    value_and_averaged_grad=threading,
-  )
   return mesh, jax.jit(step).lower(state, inputs)
 
 
 def update_after(value_and_averaged_grad):
-  """``value_and_averaged_grad`` (``train.gradient_threading``'s) with its ``update``
+  """``value_and_averaged_grad`` (``grad_sync.ThreadedAllReduce``'s) with its ``update``
   applied to the summed gradient it returns, after the last call, rather than threaded
   behind the summation: the step ``value_and_summed_grad`` gives without ``update``."""
 

@@ -2,8 +2,9 @@
 
 Training step: the step that resnet/train.py runs (``train.make_train_step``: forward,
 backward, gradient averaging, LARS, moving-statistics averaging) on 8 simulated CPU devices
-as a 2x4 torus, with the global batch split over all of them. Three variants share the
-model, batch, optimizer and devices:
+as a 2x4 torus, with the global batch split over all of them; each variant's gradient
+synchronisation is its config's ``grad_sync.strategy_from_config``. Three variants share
+the model, batch, optimizer and devices:
   "torus_collectives"  gradients averaged by ``tc.all_reduce_gradients`` and batch norm by
                        ``torus_collectives.norm.linen.BatchNorm`` (what training uses);
   "weight_update_sharding"  the same with ``weight_update_sharding=True``: gradients
@@ -25,6 +26,8 @@ is therefore pipeline time per batch over step time per batch: below 1, it keeps
 is timed alone; in training it shares the cores with the step.
 """
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -35,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from settings import FULL
 
 import torus_collectives as tc
-from resnet import data_sources, input_pipeline, models, optim, train
+from resnet import data_sources, grad_sync, input_pipeline, models, optim, train
 from resnet.configs import default
 from torus_collectives.norm import linen as tc_nn
 from torus_collectives.tuning import tuner
@@ -55,8 +58,8 @@ GROUP = (
 )
 
 
-def _step_and_state(mesh, batch_norm, average_gradients, config: ml_collections.ConfigDict):
-  """The jitted (not donating) training step and its initial state."""
+def _step_and_state(mesh, variant: str, config: ml_collections.ConfigDict):
+  """The jitted (not donating) training step of ``variant`` and its initial state."""
   model = models.create_model(
     CONFIG.model,
     num_classes=NUM_CLASSES,
@@ -64,7 +67,7 @@ def _step_and_state(mesh, batch_norm, average_gradients, config: ml_collections.
     axis_name=mesh.axis_names,
     bn_momentum=CONFIG.bn_momentum,
     # Statistics over all replicas in both: group_size None is the whole mesh for ours.
-    norm=nn.BatchNorm if batch_norm == "flax" else tc_nn.BatchNorm,
+    norm=nn.BatchNorm if variant == "flax" else tc_nn.BatchNorm,
   )
   learning_rate_fn = optim.learning_rate_schedule(
     base_learning_rate=CONFIG.base_learning_rate,
@@ -74,20 +77,23 @@ def _step_and_state(mesh, batch_norm, average_gradients, config: ml_collections.
     end_learning_rate=CONFIG.end_learning_rate,
     power=CONFIG.lr_decay_power,
   )
-  tx, opt_state_spec = optim.create_optimizer(config, learning_rate_fn, mesh.axis_names)
-  init = train.make_init_fn(model, tx, CONFIG.image_size, mesh, opt_state_spec)
-  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), train.state_specs(opt_state_spec))
+  sync = grad_sync.strategy_from_config(
+    config, mesh, optim.create_lars(config, learning_rate_fn), model=model
+  )
+  if variant == "flax":  # the usual approach: lax.pmean of the gradients
+    sync = dataclasses.replace(sync, average=lax.pmean)
+  init = train.make_init_fn(model, sync.tx, CONFIG.image_size, mesh, sync.opt_state_spec)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), train.state_specs(sync.opt_state_spec))
   state = jax.device_put(init(jax.random.key(0, impl="rbg")), shardings)
   step = jax.jit(
     train.make_train_step(
       model,
-      tx,
+      sync.tx,
       learning_rate_fn,
       mesh,
       num_classes=NUM_CLASSES,
       label_smoothing=CONFIG.label_smoothing,
-      average_gradients=average_gradients,
-      opt_state_spec=opt_state_spec,
+      sync=sync,
     )
   )
   return step, state
@@ -112,16 +118,7 @@ def test_train_step(benchmark, interleaved):
   for variant in VARIANTS:
     config = CONFIG.copy_and_resolve_references()
     config.weight_update_sharding = variant == "weight_update_sharding"
-    if variant == "flax":
-      average_gradients = lax.pmean
-    elif config.weight_update_sharding:
-      average_gradients = None  # tc.sharded_update reduce-scatters them
-    else:
-      average_gradients = lambda grads, axes: tc.all_reduce_gradients(
-        grads, axes, implementation=CONFIG.grad_implementation
-      )
-    batch_norm = "flax" if variant == "flax" else "torus_collectives"
-    step, states[variant] = _step_and_state(mesh, batch_norm, average_gradients, config)
+    step, states[variant] = _step_and_state(mesh, variant, config)
     calls[variant] = lambda step=step, state=states[variant]: step(state, batch)
 
   benchmark.group = GROUP

@@ -7,14 +7,17 @@ split over every mesh axis. One step is ``jax.jit`` of a ``jax.shard_map`` body 
   2. sums gradients over the whole torus with ``tc.all_reduce_gradients`` (torus
      reduce-scatter / all-gather where the platform has it, lax elsewhere; with
      ``config.grad_error_feedback``, adding back what the previous step's quantization
-     took off, ``optim.with_error_feedback``),
+     took off),
   3. applies LARS, and averages the moving BN statistics so the state stays replicated.
-With ``weight_update_sharding``, steps 2-3 become ``tc.sharded_update``: reduce-scatter,
-LARS on each device's 1/p of the weights (its state stored split over the devices),
-all-gather of the new weights; with ``defer_weight_gather`` that all-gather moves to the
-start of the next step (``ParamsLayout``), where it can overlap the forward pass. With
-``tuning.tuner``, the gradient summation and batch norms of the model are timed on the mesh
-first, so that "auto" runs what is fastest there.
+Steps 2-3 are the run's gradient synchronisation, one strategy that
+``grad_sync.strategy_from_config`` picks from the config: with ``weight_update_sharding``
+they become ``tc.sharded_update``: reduce-scatter, LARS on each device's 1/p of the weights
+(its state stored split over the devices), all-gather of the new weights; with
+``defer_weight_gather`` that all-gather moves to the start of the next step
+(``ParamsLayout``), where it can overlap the forward pass; with ``grad_overlap`` the
+summation runs during the backward pass. With ``tuning.tuner``, the gradient summation and
+batch norms of the model are timed on the mesh first, so that "auto" runs what is fastest
+there.
 
 Around it: the config validated before anything is built; orbax checkpoints every N
 steps with content digests, and a resume from the newest one that verifies (see
@@ -25,10 +28,13 @@ evaluation; TensorBoard scalars and ``metrics.jsonl``, one row per step across r
 progress bar; and a PNG plot.
 
 As in flax's examples/imagenet, each piece is its own function (``create_mesh``,
-``create_model``, ``create_learning_rate_fn``, ``optim.create_optimizer``, ``make_init_fn``,
-``make_train_step``, ``make_eval_step``, ``evaluate``, ``restore_or_create_state``) and
-``train_and_evaluate(config, workdir)`` composes them: it sets up the data (``_open_data``)
-and the functions (``_build_program``), restores or creates the state, and runs the loop
+``create_model``, ``create_learning_rate_fn``, ``grad_sync.strategy_from_config``,
+``make_init_fn``, ``make_train_step``, ``make_eval_step``, ``evaluate``,
+``restore_or_create_state``); ``build_train_step(config, mesh, ...)`` composes the step's
+(benchmarks and ``torus_collectives.check`` build theirs with it too), and
+``train_and_evaluate(config, workdir)`` composes them all: it sets up the data
+(``_open_data``) and the functions (``_build_program``), restores or creates the state, and
+runs the loop
 (``_train``), whose steps are ``_dispatch_step`` and, on the steps that log,
 ``_log_evaluate_and_save``; ``_summarize`` reports the end.
 """
@@ -60,6 +66,7 @@ from resnet import (
   checkpoints,
   data_sources,
   faults,
+  grad_sync,
   input_pipeline,
   models,
   optim,
@@ -67,6 +74,7 @@ from resnet import (
   reporting,
   validation,
 )
+from resnet.grad_sync import ParamsLayout
 from torus_collectives.topology import most_square_shape
 
 MESH_AXIS_NAMES = ("x", "y", "z")
@@ -85,68 +93,6 @@ def state_specs(opt_state_spec: P, params_spec: P | None = None) -> TrainState:
   while training with a deferred weight gather, sharded parameters)."""
   params_spec = P() if params_spec is None else params_spec
   return TrainState(step=P(), params=params_spec, batch_stats=P(), opt_state=opt_state_spec)
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamsLayout:
-  """How the state holds the parameters while it trains.
-
-  Checkpoints, evaluation and ``make_init_fn`` always see them whole and replicated (the
-  *stored* state). With ``config.defer_weight_gather`` the *running* state holds each
-  device's flat shard of every leaf instead (spec ``P(axes)``): the train step
-  all-gathers them at its start, one bucket at a time in the order the forward pass first
-  reads them (``tc.packing.first_use_order``), and leaves the new weights as shards, so
-  the gather can overlap the next forward pass. ``to_running``/``to_stored`` convert a
-  state between the two (identities when nothing is deferred). With
-  ``config.grad_overlap`` too, ``value_and_apply(loss_fn)`` is the whole step on the
-  shards (``tx.value_and_apply``: the gathers threaded through the forward pass, the
-  reduce-scatters through the backward pass), returning the loss and its aux, the new
-  shards, the optimizer state and the mean gradient's norm. ``validation`` refuses that
-  combination in a config for now (with the split kernels it stalls on the ResNet in TPU
-  interpret mode); the layout still builds it for callers that pass their own config.
-  """
-
-  spec: P = P()
-  gather: Callable | None = None  # per-device shards -> whole parameters, in shard_map
-  value_and_apply: Callable | None = None  # loss_fn -> the threaded step on the shards
-  to_running: Callable[[TrainState], TrainState] = lambda state: state
-  to_stored: Callable[[TrainState], TrainState] = lambda state: state
-
-
-def params_layout(
-  config: ml_collections.ConfigDict,
-  model: nn.Module,
-  tx: Any,
-  mesh: jax.sharding.Mesh,
-  abstract_state: TrainState,
-) -> ParamsLayout:
-  """The ``ParamsLayout`` that ``config.defer_weight_gather`` asks for (``tx`` is then a
-  ``tc.sharded_update``); ``abstract_state`` is the stored state's shapes."""
-  if not config.defer_weight_gather:
-    return ParamsLayout()
-  axes = mesh.axis_names
-  like = abstract_state.params
-  image = jax.ShapeDtypeStruct((1, config.image_size, config.image_size, 3), model.dtype)
-  forward = lambda params, batch_stats, x: model.apply(
-    {"params": params, "batch_stats": batch_stats}, x, train=False
-  )
-  order = tc.packing.first_use_order(forward, like, abstract_state.batch_stats, image)
-  gather = functools.partial(tx.gather_params, like=like, order=order)
-  value_and_apply = None
-  if config.grad_overlap:
-    value_and_apply = functools.partial(tx.value_and_apply, like=like, has_aux=True, grad_norm=True)
-
-  def converter(body, in_spec, out_spec):
-    convert = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_spec, out_specs=out_spec))
-    return lambda state: state.replace(params=convert(state.params))
-
-  return ParamsLayout(
-    spec=P(axes),
-    gather=gather,
-    value_and_apply=value_and_apply,
-    to_running=converter(tx.shard_params, P(), P(axes)),
-    to_stored=converter(gather, P(axes), P()),
-  )
 
 
 def replicas_per_bn_group(span_examples: int, per_replica_batch: int, num_replicas: int) -> int:
@@ -177,15 +123,11 @@ def _train_step(
   batch,
   *,
   model,
-  tx,
+  sync: grad_sync.GradSync,
   learning_rate_fn,
   axes,
   num_classes,
   label_smoothing,
-  average_gradients,
-  gather_params,
-  value_and_averaged_grad=None,
-  value_and_apply=None,
 ):
   """Per-device body of one training step (inside shard_map)."""
 
@@ -199,49 +141,9 @@ def _train_step(
     loss = _cross_entropy(logits, batch["label"], num_classes, label_smoothing).mean()
     return loss, (logits, updates["batch_stats"])
 
-  if value_and_apply is not None:
-    # Weight-update sharding threaded through the step: the parameters' gathers run
-    # while the forward pass computes, the gradients' reduce-scatters while the backward
-    # pass does, and the optimizer on the shards while the last ones are in flight.
-    (loss, (logits, batch_stats)), (params, opt_state, grad_norm) = value_and_apply(loss_fn)(
-      state.params, state.opt_state
-    )
-    stepped = (params, batch_stats, opt_state, loss, logits, grad_norm)
-    return _new_state_and_metrics(state, batch, stepped, axes, learning_rate_fn)
-  params = state.params if gather_params is None else gather_params(state.params)
-  # Differentiate with respect to a per-replica (varying) copy of the replicated parameters:
-  # otherwise, under shard_map's varying-axes typing, the transpose of their implicit
-  # broadcast already sums the gradient over the mesh, and averaging it again would train
-  # on the sum of the replicas' gradients instead of their mean.
-  per_replica = lax.pcast(params, axes, to="varying")
-
-  def apply_mean_gradient(grads):
-    updates, opt_state = tx.update(grads, state.opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
-
-  if value_and_averaged_grad is not None:
-    # The mean, summed during the backward pass, and the optimizer's step of each bucket's
-    # leaves while the later buckets are in flight.
-    (loss, (logits, batch_stats)), (params, opt_state, grad_norm) = value_and_averaged_grad(
-      loss_fn, axes, update=apply_mean_gradient
-    )(per_replica)
-  else:
-    (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(per_replica)
-    if average_gradients is None:
-      # Weight-update sharding: tx reduce-scatters the gradients itself.
-      params, opt_state = tx.apply_gradients(
-        grads, state.opt_state, params, gather=gather_params is None
-      )
-      # The mean gradient exists only as shards: log the replicas' RMS gradient norm, an
-      # upper bound of the mean's norm that is just as non-finite when it is.
-      grad_norm = jnp.sqrt(lax.pmean(optax.tree.norm(grads) ** 2, axes))
-    elif isinstance(state.opt_state, optim.ErrorFeedbackState):  # its [1, *shape] residual
-      residual = jax.tree.map(lambda r: r[0], state.opt_state.residual)
-      grads, residual = average_gradients(grads, axes, residual=residual)
-      params, opt_state, grad_norm = apply_mean_gradient(grads)
-      opt_state = opt_state._replace(residual=jax.tree.map(lambda r: r[None], residual))
-    else:
-      params, opt_state, grad_norm = apply_mean_gradient(average_gradients(grads, axes))
+  (loss, (logits, batch_stats)), (params, opt_state, grad_norm) = sync.value_and_update(
+    loss_fn, state.params, state.opt_state, axes
+  )
   stepped = (params, batch_stats, opt_state, loss, logits, grad_norm)
   return _new_state_and_metrics(state, batch, stepped, axes, learning_rate_fn)
 
@@ -274,44 +176,30 @@ def make_train_step(
   *,
   num_classes: int,
   label_smoothing: float,
-  average_gradients: Callable[[Any, tuple[str, ...]], Any] | None,
-  opt_state_spec: P | None = None,
-  layout: ParamsLayout = ParamsLayout(),
-  value_and_averaged_grad: Callable | None = None,
+  sync: grad_sync.GradSync,
 ) -> Callable:
   """One data-parallel step ``(state, batch) -> (state, metrics)`` over every mesh axis.
 
-  The state is replicated and the batch split over all devices. ``average_gradients(grads,
-  axes)`` averages the per-device gradients over the mesh (``tc.all_reduce_gradients`` in
-  training; a benchmark may pass ``lax.pmean``); ``None`` when ``tx`` is a
-  ``tc.sharded_update``, which averages them itself and keeps its state split as
-  ``opt_state_spec`` says (default: replicated). When the optimizer state is an
-  ``optim.ErrorFeedbackState`` (``config.grad_error_feedback``), ``average_gradients`` also
-  takes this device's residual (``residual=``) and returns the next one with the mean
-  (``(grads, residual)``), which the state keeps. A batch may carry ``'stop'``, one int32
-  per device (see ``faults.StopRequest``); ``metrics['stop']`` is then its maximum over
-  the mesh, the same on every process. The state is the running one of ``layout``
-  (``ParamsLayout``; by default replicated parameters). ``value_and_averaged_grad(loss_fn,
-  axes, update=...)``, if given, replaces ``jax.value_and_grad`` and ``average_gradients``
-  both: it returns the loss, its aux and ``update`` of the mean gradient (the optimizer's
-  step), summed while the backward pass runs and stepped while the last buckets are in
-  flight (``gradient_threading``). The result is not jitted, so the caller chooses whether
-  to donate the state.
+  The batch is split over all devices. ``sync`` (``grad_sync``; ``tx`` is its ``tx``)
+  turns the per-device gradients into the optimizer's step, and says how the state holds
+  the optimizer's state (``sync.opt_state_spec``) and the parameters (the running state of
+  ``sync.layout``; replicated unless the weight gather is deferred). A batch may carry
+  ``'stop'``, one int32 per device (see ``faults.StopRequest``); ``metrics['stop']`` is
+  then its maximum over the mesh, the same on every process. The result is not jitted, so
+  the caller chooses whether to donate the state.
   """
+  if tx is not sync.tx:
+    raise ValueError("make_train_step takes sync= with its own tx (sync.tx).")
   body = functools.partial(
     _train_step,
     model=model,
-    tx=tx,
+    sync=sync,
     learning_rate_fn=learning_rate_fn,
     axes=mesh.axis_names,
     num_classes=num_classes,
     label_smoothing=label_smoothing,
-    average_gradients=average_gradients,
-    gather_params=layout.gather,
-    value_and_averaged_grad=value_and_averaged_grad,
-    value_and_apply=layout.value_and_apply,
   )
-  spec = state_specs(P() if opt_state_spec is None else opt_state_spec, layout.spec)
+  spec = state_specs(sync.opt_state_spec, sync.layout.spec)
   return jax.shard_map(body, mesh=mesh, in_specs=(spec, P(mesh.axis_names)), out_specs=(spec, P()))
 
 
@@ -658,61 +546,43 @@ class _Program:
   eval_step: Callable  # jitted (stored state, batch) -> {'top1', 'top5', 'count'}
 
 
-def gradient_averaging(config: ml_collections.ConfigDict) -> Callable | None:
-  """The ``average_gradients`` of ``make_train_step``: ``tc.all_reduce_gradients`` with the
-  configured implementation and transport dtype, or None when the sharded optimizer
-  averages them itself. With ``config.grad_error_feedback`` the train step passes it each
-  device's residual (kept in the optimizer state, ``optim.ErrorFeedbackState``) and keeps
-  the one it returns, so that what one step's quantization drops the next step sends
-  (EF-SGD); without it each step's quantization error is lost.
-  bench/results/grad_transport_int8_vs_bf16.png compares int8 transport, with and without
-  error feedback, with bfloat16's."""
-  if config.weight_update_sharding:
-    return None
-  return functools.partial(
-    tc.all_reduce_gradients,
-    bucket_bytes=config.grad_bucket_bytes,
-    transport_dtype=optim.grad_transport_dtype(config),
-    implementation=config.grad_implementation,
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+  """The config's training step on a mesh, built but not yet compiled."""
+
+  model: models.ResNet
+  learning_rate_fn: optax.Schedule
+  sync: grad_sync.GradSync  # the gradient synchronisation: tx, its state's spec, layout
+  init_fn: Callable[[jax.Array], TrainState]  # jitted key -> stored state at step 0
+  key: jax.Array  # the key init_fn takes
+  state_spec: TrainState  # shard_map specs of the stored state
+  running_spec: TrainState  # and of the running state (sync.layout)
+  train_step: Callable  # (running state, batch) -> (state, metrics), not jitted
+
+
+def build_train_step(
+  config: ml_collections.ConfigDict,
+  mesh: jax.sharding.Mesh,
+  *,
+  num_classes: int,
+  steps_per_epoch: int,
+  total_steps: int,
+) -> TrainStep:
+  """The model, learning rate schedule, gradient synchronisation
+  (``grad_sync.strategy_from_config``), init and train step of ``config`` on ``mesh``.
+  With ``config.tune``, first times the model's collectives on the mesh (see ``pretune``),
+  so that the train step, traced later, runs what was fastest.
+
+  Raises:
+    ValueError: when the warmup is not shorter than the run, or for a combination of the
+      gradient fields that ``validation`` refuses.
+  """
+  model = create_model(config, num_classes, mesh)
+  learning_rate_fn = create_learning_rate_fn(config, steps_per_epoch, total_steps)
+  sync = grad_sync.strategy_from_config(
+    config, mesh, optim.create_lars(config, learning_rate_fn), model=model
   )
-
-
-def gradient_threading(config: ml_collections.ConfigDict) -> Callable | None:
-  """The ``value_and_averaged_grad`` of ``make_train_step`` with ``config.grad_overlap``:
-  ``tc.value_and_summed_grad`` (the mean, with the configured implementation and bucket
-  size), which starts each bucket's summation as soon as its gradients exist and runs
-  ``update`` (the optimizer's step) on each bucket's leaves as soon as they are summed;
-  None without it."""
-  if not config.grad_overlap or config.weight_update_sharding:  # that: ParamsLayout's
-    return None
-
-  def value_and_averaged_grad(loss_fn, axes, update=None):
-    return tc.value_and_summed_grad(
-      loss_fn,
-      axes,
-      bucket_bytes=config.grad_bucket_bytes,
-      implementation=config.grad_implementation,
-      has_aux=True,
-      update=update,
-    )
-
-  return value_and_averaged_grad
-
-
-def _build_program(
-  config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, data: _Data
-) -> _Program:
-  """Builds the model, learning rate schedule, optimizer, init, train and eval steps for
-  ``mesh``. With ``config.tune``, first times the model's collectives on the mesh (see
-  ``pretune``), so that the train step, traced later, runs what was fastest. Raises
-  ValueError when the warmup is not shorter than the run."""
-  model = create_model(config, data.train.num_classes, mesh)
-  learning_rate_fn = create_learning_rate_fn(
-    config, data.steps_per_epoch, data.schedule.total_steps
-  )
-  tx, opt_state_spec = optim.create_optimizer(config, learning_rate_fn, mesh.axis_names)
-  state_spec = state_specs(opt_state_spec)
-  init_fn = make_init_fn(model, tx, config.image_size, mesh, opt_state_spec)
+  init_fn = make_init_fn(model, sync.tx, config.image_size, mesh, sync.opt_state_spec)
   # rbg: XLA's RngBitGenerator compiles far faster than threefry for large inits.
   key = jax.random.key(config.seed, impl="rbg")
   if config.tune:
@@ -724,26 +594,46 @@ def _build_program(
       image_size=config.image_size,
       bn_group_size=bn_group_size(config, mesh.devices.size),
     )
-  layout = params_layout(config, model, tx, mesh, jax.eval_shape(init_fn, key))
   train_step = make_train_step(
     model,
-    tx,
+    sync.tx,
     learning_rate_fn,
     mesh,
-    num_classes=data.train.num_classes,
+    num_classes=num_classes,
     label_smoothing=config.label_smoothing,
-    average_gradients=gradient_averaging(config),
-    opt_state_spec=opt_state_spec,
-    layout=layout,
-    value_and_averaged_grad=gradient_threading(config),
+    sync=sync,
   )
-  return _Program(
+  return TrainStep(
+    model=model,
+    learning_rate_fn=learning_rate_fn,
+    sync=sync,
     init_fn=init_fn,
     key=key,
-    state_sharding=jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_spec),
-    layout=layout,
-    train_step=jax.jit(train_step, donate_argnums=0),
-    eval_step=make_eval_step(model, mesh, state_spec),
+    state_spec=state_specs(sync.opt_state_spec),
+    running_spec=state_specs(sync.opt_state_spec, sync.layout.spec),
+    train_step=train_step,
+  )
+
+
+def _build_program(
+  config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, data: _Data
+) -> _Program:
+  """``build_train_step`` for the data's classes and schedule, its train step jitted
+  (donating the state), and the eval step."""
+  built = build_train_step(
+    config,
+    mesh,
+    num_classes=data.train.num_classes,
+    steps_per_epoch=data.steps_per_epoch,
+    total_steps=data.schedule.total_steps,
+  )
+  return _Program(
+    init_fn=built.init_fn,
+    key=built.key,
+    state_sharding=jax.tree.map(lambda spec: NamedSharding(mesh, spec), built.state_spec),
+    layout=built.sync.layout,
+    train_step=jax.jit(built.train_step, donate_argnums=0),
+    eval_step=make_eval_step(built.model, mesh, built.state_spec),
   )
 
 

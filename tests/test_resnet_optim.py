@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
-from resnet import models, optim, train
+from resnet import grad_sync, models, optim, train
 from resnet.configs import default, imagenet, pod
 
 LR, TRUST, WD = 0.5, 0.01, 1e-2
@@ -101,39 +101,38 @@ def test_weight_update_sharding_matches_replicated_lars_in_the_train_step():
   results = {}
   for variant in ("replicated", "sharded", "deferred"):
     config = default.get_config()
-    config.weight_update_sharding = sharded = variant != "replicated"
+    config.weight_update_sharding = variant != "replicated"
     config.defer_weight_gather = variant == "deferred"
     config.image_size = 16
-    tx, spec = optim.create_optimizer(config, learning_rate_fn, axes)
-    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=spec))
+    sync = grad_sync.strategy_from_config(
+      config, mesh, optim.create_lars(config, learning_rate_fn), model=model
+    )
+    init = jax.jit(
+      jax.shard_map(sync.tx.init, mesh=mesh, in_specs=P(), out_specs=sync.opt_state_spec)
+    )
     state = train.TrainState(
       step=jnp.zeros((), jnp.int32),
       params=variables["params"],
       batch_stats=variables["batch_stats"],
       opt_state=init(variables["params"]),
     )
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-    layout = train.params_layout(config, model, tx, mesh, abstract)
-    state = layout.to_running(state)
-    average = None if sharded else tc.all_reduce_gradients
+    state = sync.layout.to_running(state)
     step = jax.jit(
       train.make_train_step(
         model,
-        tx,
+        sync.tx,
         learning_rate_fn,
         mesh,
         num_classes=10,
         label_smoothing=0.1,
-        average_gradients=average,
-        opt_state_spec=spec,
-        layout=layout,
+        sync=sync,
       )
     )
     for _ in range(2):
       state, _ = step(state, batch)
     if variant == "deferred":
       assert all(leaf.sharding.spec == P(axes) for leaf in jax.tree.leaves(state.params))
-    results[variant] = layout.to_stored(state)
+    results[variant] = sync.layout.to_stored(state)
   for leaf in jax.tree.leaves(results["sharded"].opt_state):
     assert leaf.sharding.spec == P(axes)
   for ours, deferred, ref in zip(

@@ -10,12 +10,13 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import test_resnet_train as resnet_train
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
-from resnet import optim, train, validation
+from resnet import grad_sync, optim, train, validation
 from resnet.configs import default
 from torus_collectives import quantization
 
@@ -133,12 +134,15 @@ def test_error_feedback_carries_each_devices_residual(runs):
 
 
 def _summed_over_steps(config, grads, steps):
-  """The sum over ``steps`` steps of ``train.gradient_averaging(config)`` of the same
+  """The sum over ``steps`` steps of the config's gradient mean (``average`` of its
+  ``grad_sync.strategy_from_config``, as the train step runs it) of the same
   per-device ``grads`` (leaves ``[8, *shape]``, one row a device) on the 2x4 torus, the
   residual carried as the train state carries it; and the last residual (None without)."""
   mesh = tc.make_torus_mesh((2, 4), axis_names=train.MESH_AXIS_NAMES[:2])
   axes = mesh.axis_names
-  average = train.gradient_averaging(config)
+  optimizer = optim.create_lars(config, optax.constant_schedule(0.1))
+  model = train.create_model(config, 10, mesh)
+  average = grad_sync.strategy_from_config(config, mesh, optimizer, model=model).average
 
   def body(grads):
     grads = jax.tree.map(lambda g: g[0], grads)
@@ -159,7 +163,7 @@ def _summed_over_steps(config, grads, steps):
 
 
 def test_error_feedback_sums_lose_only_the_last_residual():
-  """``gradient_averaging`` with error feedback keeps the promise of
+  """The config's gradient mean with error feedback keeps the promise of
   ``tc.all_reduce_gradients``: over T steps of the same gradients, the summed means differ
   from T times the exact mean by the mean of the last residuals alone, where without
   feedback the same quantization error repeats every step."""

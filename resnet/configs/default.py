@@ -78,14 +78,13 @@ def get_config() -> ml_collections.ConfigDict:
   # adds it to the next step's, so the summed gradients over a run lose only the last
   # step's error. Needs the 'auto' or 'shard_map' grad_implementation.
   c.grad_error_feedback = False
-  # Thread the gradient summation through the backward pass (tc.value_and_summed_grad):
+  # Thread the gradient summation through the backward pass (tc.experimental.value_and_summed_grad):
   # each bucket starts once the backward pass has produced its gradients. With the 'pallas'
   # grad_implementation its split kernels run between the later backward convolutions
   # (verified in TPU interpret mode and in compiled programs, not measured on a TPU); any
   # other implementation runs value_and_grad, then all_reduce_gradients, as without it.
-  # Needs grad_transport_dtype='' and weight_update_sharding=False (the threaded sharded
-  # step, tx.value_and_apply, stalls on this model in TPU interpret mode: unverified, so
-  # refused). Off by default: the barriers that pin the backward convolutions into the
+  # Needs grad_transport_dtype='' and weight_update_sharding=False (the package has no
+  # threaded sharded step). Off by default: the barriers that pin the backward convolutions into the
   # windows cost fusion, and by the compiler's estimate (bench.overlap_report
   # --grad-overlap on) the step is slower.
   c.grad_overlap = False

@@ -1,7 +1,7 @@
 """Stage 2, the train step: the ResNet example's step in images/s, per variant, against XLA.
 
 Needs the checkout's ``resnet/`` package (the wheel does not install it); without it the
-stage reports the step as skipped. What is timed is ``resnet.train.make_train_step`` (the
+stage reports the step as skipped. What is timed is ``resnet.train.build_train_step`` (the
 forward and backward pass, the gradient mean over every device, LARS, the batch-norm
 statistics) on random images, jitted without donation, so every call reuses one state
 and one batch; the global batch is the per-replica batch times the devices, split over
@@ -48,6 +48,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
+from torus_collectives import cost_model
 from torus_collectives.check.measure import interval, sig
 
 BASELINE = "xla"
@@ -148,18 +149,13 @@ def build(config, mesh, num_classes: int):
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from resnet import optim, train
+  from resnet import train
 
-  model = train.create_model(config, num_classes, mesh)
-  learning_rate_fn = train.create_learning_rate_fn(config, steps_per_epoch=100, total_steps=10_000)
-  tx, opt_state_spec = optim.create_optimizer(config, learning_rate_fn, mesh.axis_names)
-  init = train.make_init_fn(model, tx, config.image_size, mesh, opt_state_spec)
-  key = jax.random.key(config.seed, impl="rbg")
-  layout = train.params_layout(config, model, tx, mesh, jax.eval_shape(init, key))
-  shardings = jax.tree.map(
-    lambda s: NamedSharding(mesh, s), train.state_specs(opt_state_spec, layout.spec)
+  built = train.build_train_step(
+    config, mesh, num_classes=num_classes, steps_per_epoch=100, total_steps=10_000
   )
-  state = jax.device_put(layout.to_running(init(key)), shardings)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), built.running_spec)
+  state = jax.device_put(built.sync.layout.to_running(built.init_fn(built.key)), shardings)
   size, examples = config.image_size, config.global_batch_size
   key_image, key_label = jax.random.split(jax.random.key(1))
   split = NamedSharding(mesh, P(mesh.axis_names))
@@ -170,27 +166,12 @@ def build(config, mesh, num_classes: int):
     },
     split,
   )
-  step = jax.jit(
-    train.make_train_step(
-      model,
-      tx,
-      learning_rate_fn,
-      mesh,
-      num_classes=num_classes,
-      label_smoothing=config.label_smoothing,
-      average_gradients=train.gradient_averaging(config),
-      opt_state_spec=opt_state_spec,
-      layout=layout,
-      value_and_averaged_grad=train.gradient_threading(config),
-    )
-  )
+  step = jax.jit(built.train_step)
   return (lambda: step(state, batch)[1]), step, state, batch
 
 
 def _generation(device_kind: str) -> str | None:
-  from torus_collectives.tuning import tables
-
-  return next((g for k, g in tables._GENERATIONS if device_kind.startswith(k)), None)
+  return cost_model.generation_of(device_kind)
 
 
 _CLOCKS: dict[str, float] = {}  # generation -> calibrated clock (Hz), per worker
@@ -203,7 +184,8 @@ def predict(step, state, batch, mesh, global_batch: int) -> tuple[dict | None, s
   if mesh.devices.flat[0].platform != "tpu":
     return None, NO_PREDICTION
   try:
-    from bench import hlo_schedule, overlap_report
+    from bench import overlap_report
+    from torus_collectives.testing import hlo_schedule
   except ImportError as e:
     return None, f"no prediction: bench.overlap_report does not import here ({e})"
   generation = _generation(device_kind)
