@@ -37,7 +37,7 @@ from jax.sharding import SingleDeviceSharding
 
 from resnet import models, optim
 from resnet.configs import pod
-from torus_collectives.layout import ceil_div
+from torus_collectives.tiling import ceil_div
 
 
 def _cost(fn, *args, device=None) -> dict[str, float]:

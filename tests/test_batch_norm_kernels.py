@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from torus_collectives import layout, registry
+from torus_collectives import registry, tiling
 from torus_collectives.kernels import batch_norm as kbn
 from torus_collectives.norm import passes
 from torus_collectives.norm.batch_norm import batch_norm
@@ -52,7 +52,7 @@ def _all_passes(passes, block_sizes=None):
   )
 
 
-# Channels-last activations and block sizes over their [R, S, C] view (layout.bn_view):
+# Channels-last activations and block sizes over their [R, S, C] view (tiling.bn_view):
 # NHWC in XLA's conv layout [H*W, N, C] as one block and with a ragged last row block;
 # two channel blocks with a ragged row block; C = 64 (half a lane row); C = 2048 in
 # default blocks (four channel blocks of 512); and the row-major view of a batch that
@@ -250,13 +250,13 @@ def test_block_sizes_reach_the_kernels_through_the_public_op(monkeypatch):
 def test_bn_view_is_a_bitcast_of_xla_conv_layout():
   """NHWC with 8 | N: [H*W, N, C], H, W, N, C being {3,0,2,1} major to minor; otherwise
   the row-major rows; the inverse restores the activation."""
-  assert layout.bn_view((32, 28, 28, 128)) == ((1, 2, 0, 3), (784, 32, 128))
-  assert layout.bn_view((4, 28, 28, 128)) == ((0, 1, 2, 3), (392, 8, 128))
-  assert layout.bn_view((5, 7, 3)) == ((0, 1, 2), (35, 1, 3))
+  assert tiling.bn_view((32, 28, 28, 128)) == ((1, 2, 0, 3), (784, 32, 128))
+  assert tiling.bn_view((4, 28, 28, 128)) == ((0, 1, 2, 3), (392, 8, 128))
+  assert tiling.bn_view((5, 7, 3)) == ((0, 1, 2), (35, 1, 3))
   x = jnp.arange(8 * 3 * 5 * 2).reshape(8, 3, 5, 2)
-  v = layout.to_bn_view(x)
+  v = tiling.to_bn_view(x)
   np.testing.assert_array_equal(v[2 * 5 + 1, 6], x[6, 2, 1])
-  np.testing.assert_array_equal(layout.from_bn_view(v, x.shape), x)
+  np.testing.assert_array_equal(tiling.from_bn_view(v, x.shape), x)
 
 
 @pytest.mark.parametrize("shape", [(32, 28, 28, 128), (8, 7, 7, 2048), (8, 112, 112, 64)])
@@ -379,7 +379,7 @@ def test_v5e_kernels_skip_relayouts_and_auto_is_xla(monkeypatch, shape):
   assert xla_bytes <= flax_bytes + 32 * shape[-1] * 4
   pallas_bytes, relayouts = bytes_and_relayouts("pallas")
   auto_bytes, _ = bytes_and_relayouts("auto")
-  if shape[0] % layout.SUBLANES == 0:
+  if shape[0] % tiling.SUBLANES == 0:
     assert relayouts == []
     assert pallas_bytes <= xla_bytes
   else:  # a batch short of a sublane tile: the kernels pay relayout copies

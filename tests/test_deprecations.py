@@ -17,6 +17,14 @@ MOVED_MODULES = [
   ("torus_collectives.nn", "torus_collectives.norm.linen", "BatchNorm"),
   ("torus_collectives.timing", "torus_collectives.tuning.timing", "Interleaved"),
   ("torus_collectives.tune", "torus_collectives.tuning.tuner", "main"),
+  ("torus_collectives.overlap", "torus_collectives.experimental.overlap", "value_and_summed_grad"),
+  ("torus_collectives.layout", "torus_collectives.tiling", "bn_view"),
+  ("torus_collectives.kernels.async_torus", "torus_collectives.kernels.split_rings", "ring_start"),
+  (
+    "torus_collectives.weight_update.interpreter",
+    "torus_collectives.weight_update.sharded_eval",
+    "Interpreter",
+  ),
 ]
 
 
@@ -50,6 +58,7 @@ MOVED_NAMES = [
   ("torus_collectives", "auto_rounding_bound", "torus_collectives.registry"),
   ("torus_collectives", "lars", "torus_collectives.weight_update.trust_ratio"),
   ("torus_collectives", "scale_by_trust_ratio", "torus_collectives.weight_update.trust_ratio"),
+  ("torus_collectives", "value_and_summed_grad", "torus_collectives.experimental"),
   ("torus_collectives.tuning", "tune_step", "torus_collectives.tuning.step_tuning"),
 ]
 

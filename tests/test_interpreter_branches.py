@@ -1,4 +1,4 @@
-"""The sharded-update interpreter (``weight_update.interpreter``), branch by branch.
+"""The sharded-update interpreter (``weight_update.sharded_eval``), branch by branch.
 
 Each case is a small function of whole leaves, traced on their full shapes and run by
 ``Interpreter`` on this device's 1/p slice of each leaf (``Shards.cut``, as
@@ -36,7 +36,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
-from torus_collectives.weight_update.interpreter import (
+from torus_collectives.weight_update.sharded_eval import (
   Interpreter,
   Sharded,
   Shards,

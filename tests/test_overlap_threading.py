@@ -1,6 +1,7 @@
-"""Gradient summation threaded through the backward pass (``torus_collectives.overlap``).
+"""Gradient summation threaded through the backward pass
+(``torus_collectives.experimental.overlap``: its plan, its executor, its public function).
 
-* In TPU interpret mode through the split-call extension (``async_interpret``), race
+* In TPU interpret mode through the split-call extension (``testing.split_interpret``), race
   detector on, both DMA execution modes: ``value_and_summed_grad(implementation="pallas")``
   of a three-layer network with small-integer weights and inputs (every gradient an exact
   integer) equals ``jax.value_and_grad`` followed by ``lax.psum`` (``mean=False``) and
@@ -27,12 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from async_interpret import async_interpret_mode
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
-from torus_collectives import inlining, overlap
+from torus_collectives import inlining
+from torus_collectives.experimental import overlap
+from torus_collectives.experimental.overlap import executor, plan
+from torus_collectives.testing.split_interpret import async_interpret_mode
 
 pytestmark = pytest.mark.timeout(300, method="thread")
 
@@ -184,8 +187,8 @@ def test_the_last_bucket_is_cut_at_the_last_matmul():
   last_matmul = max(i for i, (what, _) in enumerate(order) if what == "dot_general")
   assert calls[0][0] < last_matmul < calls[0][-1]
   assert calls[1][0] > last_matmul
-  assert overlap._cut([3, 4, 5], {3: 1, 4: 7, 5: 9}, 8) == [[3, 4], [5]]
-  assert overlap._cut([3, 4], {3: 1, 4: 7}, 8) == [[3, 4]]
+  assert plan.cut_last_bucket([3, 4, 5], {3: 1, 4: 7, 5: 9}, 8) == [[3, 4], [5]]
+  assert plan.cut_last_bucket([3, 4], {3: 1, 4: 7}, 8) == [[3, 4]]
 
 
 @pytest.mark.interpret
@@ -250,16 +253,55 @@ def test_refuses_unknown_implementation_and_integer_gradients():
     fn(jnp.zeros((8, 128), jnp.int32))
 
 
-def test_exported_from_the_package():
-  assert tc.value_and_summed_grad is overlap.value_and_summed_grad
+def test_exported_from_experimental_and_the_old_paths_warn():
+  assert tc.experimental.value_and_summed_grad is overlap.value_and_summed_grad
+  assert "value_and_summed_grad" not in tc.__all__
+  with pytest.warns(DeprecationWarning, match="torus_collectives.experimental"):
+    assert tc.value_and_summed_grad is overlap.value_and_summed_grad
 
 
-def _inlined(fun, *args):
+def _inlined(fun, *args, outs=False):
   closed = jax.make_jaxpr(fun)(*args)
   counter = itertools.count()
-  in_keys = [next(counter) for _ in args]
-  eqns, _ = inlining.inline(closed.jaxpr, closed.consts, in_keys, counter, {})
-  return eqns, {key: item for item in eqns for key in item.outs}
+  in_keys = [next(counter) for _ in jax.tree.leaves(args)]
+  eqns, out_keys = inlining.inline(closed.jaxpr, closed.consts, in_keys, counter, {})
+  producer = {key: item for item in eqns for key in item.outs}
+  return (eqns, producer, out_keys) if outs else (eqns, producer)
+
+
+def test_the_plan_of_a_three_layer_mlp():
+  """``plan.make_plan`` on ``value_and_grad`` of a 3-layer tanh MLP (weights of 4 KiB,
+  buckets of 8 KiB): the gradients come w3, w2, w1; the buckets are [w3, w2] and [w1]
+  (w1 alone: the last matmul makes it), each starting after the equation that produced
+  its last leaf; every matmul and reduction once a bucket is in flight is pinned; the
+  points are the weight-gradient matmuls after the first start, and a bucket's windows
+  are the points after its start. The plan prints one line a bucket."""
+
+  def loss(ws, x):
+    for w in ws:
+      x = jnp.tanh(x @ w)
+    return jnp.sum(x)
+
+  ws = [jnp.ones((32, 32))] * 3
+  eqns, producer, outs = _inlined(jax.value_and_grad(loss), ws, jnp.ones((8, 32)), outs=True)
+  like = [jax.ShapeDtypeStruct((32, 32), jnp.float32)] * 3
+  made = plan.make_plan(eqns, outs, like, bucket_bytes=8 * 1024)
+  position = {key: i for i, item in enumerate(eqns) for key in item.outs}
+  made_at = [position[key] for key in outs[1:]]  # w1, w2, w3's gradients
+  assert made_at[2] < made_at[1] < made_at[0]
+  assert made.buckets == ((2, 1), (0,))
+  assert made.ready_after == (made_at[1], made_at[0])
+  assert made_at[1] < made.heavy[-1] < made_at[0]  # only w1's exists after the last matmul
+  kinds = {"dot_general", "reduce_sum", "reduce_max", "reduce_min"}
+  assert made.pinned == tuple(
+    i for i, item in enumerate(eqns) if i > made_at[1] and item.eqn.primitive.name in kinds
+  )
+  assert made.points == (made_at[0],)
+  assert made.windows(0) == (made_at[0],) and made.windows(1) == ()
+  text = str(made)
+  assert (
+    "2 buckets" in text and f"bucket 0: leaves [2, 1], starts after equation {made_at[1]}" in text
+  )
 
 
 def test_the_operand_that_waits_for_the_call_is_one_computation_produced():
@@ -275,15 +317,15 @@ def test_the_operand_that_waits_for_the_call_is_one_computation_produced():
 
   eqns, producer = _inlined(fun, jnp.ones((4, 8)), jnp.ones((4, 8)), jnp.ones((2, 8)))
   first, second = [item for item in eqns if item.eqn.primitive.name == "dot_general"]
-  assert overlap._computed(first.ins[0], producer)
-  assert not overlap._computed(first.ins[1], producer)
-  assert not overlap._computed(second.ins[0], producer)  # a program input
-  assert not overlap._computed(second.ins[1], producer)
+  assert plan.is_computed(first.ins[0], producer)
+  assert not plan.is_computed(first.ins[1], producer)
+  assert not plan.is_computed(second.ins[0], producer)  # a program input
+  assert not plan.is_computed(second.ins[1], producer)
 
 
 class _PinningSplit:
   """A stand-in for a split collective in flight: ``pin`` passes values through a barrier
-  with its buffer, as ``async_torus.pin`` does, and counts the barriers."""
+  with its buffer, as ``split_rings.pin`` does, and counts the barriers."""
 
   def __init__(self):
     self.buffer, self.pins = jnp.zeros((4,)), 0
@@ -301,7 +343,7 @@ def test_tail_operands_wait_for_the_calls_through_a_pinned_zero():
   fuses the subtraction into the reader); booleans ``or`` it; a PRNG key, which admits no
   arithmetic, passes the barrier itself; with nothing in flight, the value as is. A
   bucket's sum and what an earlier window computed are read as they are."""
-  tail = object.__new__(overlap._Tail)
+  tail = object.__new__(executor.Tail)
   tail.window, tail.zero = {}, None
   tail.sums, tail.producer = {4}, {5: 0}  # key 4: a bucket's sum; 5: computed by the tail
   split = _PinningSplit()
@@ -342,18 +384,6 @@ def test_tail_operands_wait_for_the_calls_through_a_pinned_zero():
   np.testing.assert_array_equal(b_as_is, args[1])
 
 
-class _CountingSplit:
-  """A stand-in for a split collective: how many calls it has left, and at which advance
-  point each one was issued."""
-
-  def __init__(self, calls):
-    self.calls_left, self.issued_at, self.position = calls, [], None
-
-  def advance(self):
-    self.calls_left -= 1
-    self.issued_at.append(self.position)
-
-
 @pytest.mark.parametrize(
   "calls, points, expected",
   [
@@ -364,16 +394,14 @@ class _CountingSplit:
   ],
 )
 def test_calls_spread_evenly_over_the_points_left(calls, points, expected):
-  threaded = overlap._Threaded(None, AXES, (2, 4), BUCKET_BYTES)
-  split = _CountingSplit(calls)
-  threaded.in_flight = [([0], split)]
-  threaded.scopes = {id(split): ("gradient_summation", 0)}
-  threaded.pacing = {id(split): (calls, list(range(1, points + 1)))}
-  for position in range(1, points + 1):
-    split.position = position
-    threaded._advance_due(position)
-  assert split.issued_at == expected
-  assert split.calls_left == calls - len(expected)
+  """``plan.calls_due``, as the executor applies it: at each point a collective issues
+  one call if fewer than are due have been issued."""
+  windows, issued, issued_at = list(range(1, points + 1)), 0, []
+  for position in windows:
+    if issued < calls and issued < plan.calls_due(calls, windows, position):
+      issued += 1
+      issued_at.append(position)
+  assert issued_at == expected
 
 
 def test_advance_points_are_leaves_computed_from_new_work():
@@ -386,18 +414,18 @@ def test_advance_points_are_leaves_computed_from_new_work():
   in_keys = [next(counter) for _ in jax.tree.leaves((params, x))]
   eqns, outs = inlining.inline(closed.jaxpr, closed.consts, in_keys, counter, {})
   leaf_keys = {a for a in outs if isinstance(a, int)}
-  points = overlap._advance_points(eqns, leaf_keys, -1)
+  points = plan.advance_points(eqns, leaf_keys, -1)
   producer = {key: item for item in eqns for key in item.outs}
 
   def work(item):  # the equation a layout change (the weight gradient's transpose) reads
-    while item.eqn.primitive.name in overlap.LAYOUT:
+    while item.eqn.primitive.name in plan.LAYOUT:
       item = producer[item.ins[0]]
     return item.eqn.primitive.name
 
   names = [work(eqns[p]) for p in points]
   assert sorted(names) == ["dot_general"] * 3 + ["reduce_sum"], names
   assert all(any(k in leaf_keys for k in eqns[p].outs) for p in points)
-  assert overlap._advance_points(eqns, leaf_keys, max(points)) == []
+  assert plan.advance_points(eqns, leaf_keys, max(points)) == []
 
 
 def test_a_leaf_computed_only_elementwise_is_no_point():
@@ -416,7 +444,7 @@ def test_a_leaf_computed_only_elementwise_is_no_point():
   eqns, outs = inlining.inline(closed.jaxpr, closed.consts, in_keys, counter, {})
   grad_s, grad_w = outs  # the leaves in key order: "s", then "w"
   produced_at = {key: position for position, item in enumerate(eqns) for key in item.outs}
-  points = overlap._advance_points(eqns, {grad_s, grad_w}, -1)
+  points = plan.advance_points(eqns, {grad_s, grad_w}, -1)
   assert points == [produced_at[grad_w]], (points, produced_at[grad_s], produced_at[grad_w])
 
 
@@ -442,13 +470,13 @@ def test_the_tail_is_cut_into_reductions_then_updates_with_their_riders():
   in_keys = [next(counter) for _ in range(6)]
   eqns, outs = inlining.inline(closed.jaxpr, closed.consts, in_keys, counter, {})
   producer = {key: i for i, item in enumerate(eqns) for key in item.outs}
-  units = overlap._units(eqns, outs, producer)
+  units = plan.units(eqns, outs, producer)
   p0, p1, m0, m1 = outs
   kinds = [[eqns[producer[k]].eqn.primitive.name for k in unit] for unit in units]
   assert kinds[0] == kinds[2] == ["reduce_sum", "reduce_sum"], kinds
   assert [units[1], units[3]] == [(p0, m0), (p1, m1)], units
-  cones = {u: sorted({i for k in u for i in overlap._cone(k, eqns, producer)}) for u in units}
-  work = overlap._unit_work(eqns, units, cones, producer)
+  cones = {u: sorted({i for k in u for i in plan.cone(k, eqns, producer)}) for u in units}
+  work = plan.unit_work(eqns, units, cones, producer)
   assert [work[u] for u in units] == [2 * 48.0, 2 * 48.0, 2 * 20.0, 2 * 20.0]
 
 
@@ -461,11 +489,11 @@ def test_tail_calls_are_spaced_over_the_work_that_can_cover_them():
   more calls than such work the smallest unit (one window each; the rest are issued
   after it). No calls left: never due."""
   work, needs = [300, 100, 50, 20, 0, 7], [{0}, {0}, {0, 1}, {0}, {0}, {1}]
-  spacing = overlap._call_spacing(work, needs, [1, 2])
+  spacing = plan.call_spacing(work, needs, [1, 2])
   assert spacing == [1.0, pytest.approx(120.0)]
-  assert overlap._call_spacing(work, needs, [1, 3]) == [1.0, pytest.approx(20.0)]
-  assert overlap._call_spacing(work, needs, [1, 9]) == [1.0, 20]
-  assert overlap._call_spacing(work, needs, [0, 2]) == [math.inf, pytest.approx(120.0)]
+  assert plan.call_spacing(work, needs, [1, 3]) == [1.0, pytest.approx(20.0)]
+  assert plan.call_spacing(work, needs, [1, 9]) == [1.0, 20]
+  assert plan.call_spacing(work, needs, [0, 2]) == [math.inf, pytest.approx(120.0)]
 
 
 def test_a_fitted_spacing_closes_a_window_for_every_call():
@@ -474,11 +502,11 @@ def test_a_fitted_spacing_closes_a_window_for_every_call():
   that does. The cut, by hand: at 3, 5 | 1+1+1 | 5 | 1+1+1 (4 windows); at 2, 5 | 1+1 |
   1+5 | 1+1 and a 1 left over (4); at 8, 5+1+1+1 | 5+1+1+1 (2)."""
   work = [5, 1, 1, 1, 5, 1, 1, 1]
-  closed = functools.partial(overlap._windows_closed, work)
+  closed = functools.partial(plan.windows_closed, work)
   assert [closed(3), closed(2), closed(8), closed(1), closed(17)] == [4, 4, 2, 8, 0]
   for calls, expected in [(1, 16), (2, 8), (4, 3), (5, 1), (8, 1), (12, 1)]:
-    spacing = overlap._fitted_spacing(work, calls)
+    spacing = plan.fitted_spacing(work, calls)
     assert spacing == pytest.approx(expected), calls
     assert closed(spacing) >= min(calls, len(work))
     assert calls > len(work) or closed(spacing * 1.01) < calls
-  assert overlap._fitted_spacing([], 3) == 1.0
+  assert plan.fitted_spacing([], 3) == 1.0

@@ -1,11 +1,11 @@
 """The threaded gradient summation's compiled schedule, ahead of time per TPU generation.
 
-A four-layer convolutional network's data-parallel step (``tc.value_and_summed_grad`` with
-the split Pallas all-reduce, buckets of two kernels) is compiled for v5e, v6e, v4 and a
-3-D v5p mesh (needs libtpu). The kernels' gradients come in the order w4, w3, w2, w1, so
-the buckets are [w4, w3] and [w2, w1], the last cut at the last backward convolution,
-which produces w1's: [w4, w3], [w2], [w1]. In the scheduled program
-(``bench.hlo_schedule``):
+A four-layer convolutional network's data-parallel step
+(``tc.experimental.value_and_summed_grad`` with the split Pallas all-reduce, buckets of
+two kernels) is compiled for v5e, v6e, v4 and a 3-D v5p mesh (needs libtpu). The
+kernels' gradients come in the order w4, w3, w2, w1, so the buckets are [w4, w3] and
+[w2, w1], the last cut at the last backward convolution, which produces w1's: [w4, w3],
+[w2], [w1]. In the scheduled program (``testing.hlo_schedule``):
 
 * each bucket runs 2N streams, each a chain of start, steps and done per phase;
 * the chains of every bucket but the last start before a backward convolution and finish
@@ -54,15 +54,15 @@ def _loss(params, x):
 @pytest.mark.parametrize("generation", list(TOPOLOGIES))
 def test_every_bucket_but_the_last_overlaps_a_backward_convolution(generation):
   pytest.importorskip("libtpu", reason=aot_skip.REASON)
-  from bench import aot_report, hlo_schedule
+  from torus_collectives.testing import aot, hlo_schedule
 
   topology, shape = TOPOLOGIES[generation]
-  mesh = aot_report.topology_mesh(topology, shape)
+  mesh = aot.topology_mesh(topology, shape)
   axes = mesh.axis_names
   live_axes = [a for a in axes if mesh.shape[a] > 1]
 
   def step(params, x):
-    summed = tc.value_and_summed_grad(
+    summed = tc.experimental.value_and_summed_grad(
       _loss, axes, bucket_bytes=2 * KERNEL_BYTES, implementation="pallas"
     )
     return summed(params, x)[1]
@@ -100,7 +100,8 @@ def test_resnet50_threaded_step_keeps_every_bucket_on_compute(generation):
   spacing is in bytes, so the last window can end up empty; without the update threaded
   every one is: its calls are issued back to back); no buffer in flight is copied."""
   pytest.importorskip("libtpu", reason=aot_skip.REASON)
-  from bench import hlo_schedule, overlap_report
+  from bench import overlap_report
+  from torus_collectives.testing import hlo_schedule
 
   topology, shape = TOPOLOGIES[generation]
   mesh, lowered = overlap_report.lower_train_step(
@@ -125,22 +126,22 @@ def test_resnet50_threaded_step_keeps_every_bucket_on_compute(generation):
 
 
 def test_a_pinned_zero_is_not_folded_into_a_constant():
-  """The threading's operand pins (``overlap._plus_zero``) subtract a zero that comes out
+  """The threading's operand pins (``executor.plus_zero``) subtract a zero that comes out
   of a barrier with the calls in flight. XLA forwards a constant through an
   ``optimization_barrier`` before it schedules, which would leave the reader unpinned; the
-  opaque zero (``overlap._opaque_zero``) is no constant, so in the v5e program the
+  opaque zero (``executor.opaque_zero``) is no constant, so in the v5e program the
   subtraction reads it, not a constant, and runs after the barrier's matmul."""
   pytest.importorskip("libtpu", reason=aot_skip.REASON)
-  from bench import aot_report, hlo_schedule
-  from torus_collectives import overlap
+  from torus_collectives.experimental.overlap import executor
+  from torus_collectives.testing import aot, hlo_schedule
 
-  mesh = aot_report.topology_mesh("v5e:2x2")
+  mesh = aot.topology_mesh("v5e:2x2")
   axes = mesh.axis_names
 
   def body(a, x):
     product = a @ a
-    product, zero = jax.lax.optimization_barrier((product, overlap._opaque_zero(axes)))
-    return product @ a, overlap._plus_zero(x, zero)
+    product, zero = jax.lax.optimization_barrier((product, executor.opaque_zero(axes)))
+    return product @ a, executor.plus_zero(x, zero)
 
   square = jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=NamedSharding(mesh, P()))
   fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P())))

@@ -23,8 +23,7 @@ other test makes):
   naming another axis, ``residual=`` without transport, differentiating a quantized
   collective, ``error_feedback`` without transport: ``test_block_scaled_transport``;
 * an unknown schedule variant, a bad ring rank or buffer shape: ``test_schedule``;
-* ``sharded_update`` on integer parameters or an unbound axis: ``test_sharded_update``;
-  shards that do not fit ``like``: ``test_sharded_threaded``.
+* ``sharded_update`` on integer parameters or an unbound axis: ``test_sharded_update``.
 
 The sections headed "found by mutation testing" pin behaviours that mutants showed no test
 held (``tests/README.md``: how it was run, what it found); the last section holds the two

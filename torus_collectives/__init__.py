@@ -7,21 +7,23 @@ top to bottom (each module imports only those of its own layer and below;
 ``torus_collectives._layers.LAYERS`` lists every module's, and a test holds each import to
 it):
 
-* *api*: this module, the hardware check (``check``) and the old paths kept for one release;
+* *api*: this module, the hardware check (``check``), the old paths kept for one release
+  (``nn``, ``timing``, ``tune``, ``overlap``),
+  and ``testing``, the tests' and benchmarks' support (not part of the ops' API);
 * *tuner*: ``tuning.tuner`` and ``tuning.step_tuning`` (with ``tuning.timing``), which time
   the ops;
 * *ops*: ``collectives`` (psum, pmean, psum_scatter, all_gather), ``gradients``
-  (``all_reduce_gradients``), ``overlap`` (``value_and_summed_grad``: the summation
-  threaded through the backward pass, on ``inlining``), ``norm.batch_norm`` and
-  ``norm.linen`` (batch norm), ``weight_update`` (``sharded_update``, its interpreter,
-  ``lars``);
+  (``all_reduce_gradients``), ``experimental.overlap`` (``value_and_summed_grad``: the
+  summation threaded through the backward pass, on ``inlining``), ``norm.batch_norm`` and
+  ``norm.linen`` (batch norm), ``weight_update`` (``sharded_update``, the sharded
+  evaluation of an update ``sharded_eval``, ``lars``);
 * *primitives*: the collectives as JAX primitives, their transformation rules, a lowering
   that runs the backend the registry names;
 * *registry*: the backends as data and the one ``resolve`` that picks one per call;
 * *tables*: ``tuning.tables``, what "auto" measured (the format, the rule, the lookup);
 * *implementations*: ``backends`` (portable), ``kernels`` (Pallas) and ``norm.passes``
   (batch norm's jnp passes), each loaded by the registry only when chosen;
-* *shared*: ``schedule`` (the algorithm as data), ``layout``, ``packing`` (pytrees as flat
+* *shared*: ``schedule`` (the algorithm as data), ``tiling``, ``packing`` (pytrees as flat
   buffers), ``axes`` (axis names, size-one axes), ``groups`` (replica groups as tiles),
   ``topology``, ``configs``, ``norm.block_sizes``, ``quantization`` (the block-scaled
   format), ``target`` (the device being traced for), ``cost_model`` (its alpha-beta
@@ -30,7 +32,7 @@ it):
 
 A subpackage groups modules that serve one feature and are read together (batch norm's
 op, reference passes, tunable and flax module; the tuner with its tables and timing; the
-weight-update sharding with its interpreter); the modules every feature shares stay flat,
+weight-update sharding with its sharded evaluation); the modules every feature shares stay flat,
 so a newcomer finds the algorithm one level down.
 
 The core needs only jax and numpy. ``sharded_update`` and ``ShardedUpdate`` take optax
@@ -42,6 +44,7 @@ install the ``optax`` extra, as do ``weight_update.trust_ratio``'s ``lars`` and
 import importlib
 
 from torus_collectives import _deprecation
+from torus_collectives import experimental as experimental
 from torus_collectives.collectives import (
   all_gather,
   all_reduce,
@@ -56,11 +59,10 @@ from torus_collectives.gradients import all_reduce_gradients
 from torus_collectives.groups import resolve_tile
 from torus_collectives.norm.batch_norm import batch_norm
 from torus_collectives.norm.block_sizes import BlockSizes
-from torus_collectives.overlap import value_and_summed_grad
 from torus_collectives.quantization import BlockScaled
 from torus_collectives.registry import Implementation, bitwise_as_lax
 from torus_collectives.topology import make_torus_mesh
-from torus_collectives.weight_update.interpreter import UnshardableTransformError
+from torus_collectives.weight_update.sharded_eval import UnshardableTransformError
 
 __all__ = [
   "BlockScaled",
@@ -82,7 +84,6 @@ __all__ = [
   "reduce_scatter",
   "resolve_tile",
   "sharded_update",
-  "value_and_summed_grad",
 ]
 
 # Names that need optax: the module each lives in, imported on first access.
@@ -99,6 +100,7 @@ _MOVED = {
   "auto_rounding_bound": "torus_collectives.registry",
   "lars": "torus_collectives.weight_update.trust_ratio",
   "scale_by_trust_ratio": "torus_collectives.weight_update.trust_ratio",
+  "value_and_summed_grad": "torus_collectives.experimental",
 }
 
 

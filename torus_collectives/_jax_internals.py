@@ -6,7 +6,7 @@ moving to another jax series. They are imported from ``jax._src`` rather than
 package's core must not (Pallas loads only with the kernels).
 
 * ``Primitive``, ``Literal``, ``Jaxpr``, ``Tracer``: defining the collectives' primitives
-  and reading traced jaxprs (``primitives``, ``_vma``, ``weight_update.interpreter``).
+  and reading traced jaxprs (``primitives``, ``_vma``, ``weight_update.sharded_eval``).
 * ``get_axis_env``: the named axes bound where a collective is called (``collectives``).
 * ``pvary``: the transpose of an invariant collective (``primitives``).
 * ``production_order``: where in the traced program each gradient leaf was computed, so

@@ -12,8 +12,10 @@ kept for one release may load its new path from any layer, in a function that fi
 """
 
 LAYERS = (
-  # The public API, the hardware check that calls it as a user does, and the old paths
-  # that lead to the new ones.
+  # The public API, the hardware check that calls it as a user does, the old paths that
+  # lead to the new ones, and the support of the tests and benchmarks (``testing``: it
+  # compiles and interprets the ops, and the hardware check reads schedules with it; no op
+  # imports it).
   (
     "api",
     (
@@ -21,6 +23,11 @@ LAYERS = (
       "torus_collectives.check",
       "torus_collectives.check.*",
       "torus_collectives.nn",
+      "torus_collectives.layout",
+      "torus_collectives.overlap",
+      "torus_collectives.weight_update.interpreter",
+      "torus_collectives.testing",
+      "torus_collectives.testing.*",
       "torus_collectives.timing",
       "torus_collectives.tune",
     ),
@@ -41,12 +48,13 @@ LAYERS = (
     (
       "torus_collectives.collectives",
       "torus_collectives.gradients",
-      "torus_collectives.overlap",
+      "torus_collectives.experimental",
+      "torus_collectives.experimental.overlap",
+      "torus_collectives.experimental.overlap.*",
       "torus_collectives.norm.batch_norm",
       "torus_collectives.norm.linen",
-      "torus_collectives.weight_update.interpreter",
+      "torus_collectives.weight_update.sharded_eval",
       "torus_collectives.weight_update.sharded_update",
-      "torus_collectives.weight_update.threaded",
       "torus_collectives.weight_update.trust_ratio",
     ),
   ),
@@ -80,7 +88,7 @@ LAYERS = (
       "torus_collectives.cost_model",
       "torus_collectives.groups",
       "torus_collectives.inlining",
-      "torus_collectives.layout",
+      "torus_collectives.tiling",
       "torus_collectives.norm.block_sizes",
       "torus_collectives.packing",
       "torus_collectives.quantization",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from torus_collectives.layout import LANES, ceil_div
+from torus_collectives.tiling import LANES, ceil_div
 
 # Sublane tiling of a (rows, 128) VMEM block: 8 rows for 32-bit types, 16 for bfloat16.
 # Every block is a multiple of 16 rows so one config serves all supported dtypes.

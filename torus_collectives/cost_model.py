@@ -144,6 +144,24 @@ GENERATIONS = {
   )
 }
 
+# A device's ``device_kind`` prefix -> its generation in ``GENERATIONS`` (the first that
+# matches: "TPU v5 lite" and "TPU v5e" before "TPU v5").
+DEVICE_KIND_PREFIXES = (
+  ("TPU v3", "v3"),
+  ("TPU v4", "v4"),
+  ("TPU v5 lite", "v5e"),
+  ("TPU v5e", "v5e"),
+  ("TPU v5", "v5p"),
+  ("TPU v6", "v6e"),
+)
+
+
+def generation_of(device_kind: str) -> str | None:
+  """The name in ``GENERATIONS`` of a device's ``device_kind``, or None (off TPU, or a
+  generation not modelled)."""
+  return next((g for k, g in DEVICE_KIND_PREFIXES if device_kind.startswith(k)), None)
+
+
 # Per-hop latency of the data-centre network between slices: the time a transfer between
 # two hosts takes beyond its bytes (NICs, switches, host software). No Cloud TPU page
 # publishes it; 10 us per hop is an assumption, the same for all generations; override it

@@ -3,7 +3,7 @@
 ``inline`` flattens a jaxpr: every call in ``CALLS`` (jit, custom_jvp/custom_vjp calls,
 checkpoint) is replaced by its body's equations, and every variable is renamed to a fresh
 integer key (constants get keys of their own; literals stay ``Literal``). The weight-update
-interpreter runs these equations on shards (``weight_update.interpreter``), and the
+interpreter runs these equations on shards (``weight_update.sharded_eval``), and the
 overlap interpreter re-runs them with gradient summation threaded in between
 (``overlap``). ``bind`` binds one equation's primitive the way jnp would.
 """

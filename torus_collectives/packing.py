@@ -1,4 +1,4 @@
-"""Pytree leaves <-> flat buffers, one per bucket: the layout every bucketed collective uses.
+"""Pytree leaves <-> flat buffers, one per bucket: the packing every bucketed collective uses.
 
 The collectives (``psum``, ``psum_scatter``, ``all_gather`` of a pytree), the gradient
 summation and ``sharded_update`` move many leaves with a few collectives. They all pack
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from torus_collectives import _jax_internals as jax_internals
-from torus_collectives.layout import ceil_div, pad_to
+from torus_collectives.tiling import ceil_div, pad_to
 
 
 def buckets_by_dtype(leaves: Sequence[jax.Array]) -> list[list[int]]:

@@ -40,7 +40,7 @@ from torus_collectives import _jax_internals as jax_internals
 from torus_collectives import registry, target
 from torus_collectives._vma import vma_checked
 from torus_collectives.axes import names as axis_names
-from torus_collectives.layout import accumulation_dtype
+from torus_collectives.tiling import accumulation_dtype
 
 KINDS = ("reduce_scatter", "all_gather", "all_reduce")
 PRIMITIVES = {kind: jax_internals.Primitive(f"torus_{kind}") for kind in KINDS}

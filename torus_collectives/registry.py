@@ -104,8 +104,7 @@ class CollectiveBackend:
   split_all_reduce: Callable[..., Any] | None = None
   # The same for a tiled reduce-scatter (``[p*m] ->`` the sum of chunk ``d``, ``[m' >= m]``
   # with padding after it) and all-gather (``[m] -> [p*m']``, the ``[p, m']`` rows flattened,
-  # each padded after its ``m``): weight-update sharding threaded through the step
-  # (``weight_update.threaded``).
+  # each padded after its ``m``), verified by ``python -m torus_collectives.check``.
   split_reduce_scatter: Callable[..., Any] | None = None
   split_all_gather: Callable[..., Any] | None = None
 

@@ -26,7 +26,7 @@ from jax import lax
 
 from torus_collectives import schedule as schedule_lib
 from torus_collectives.axes import drop_unit_axes
-from torus_collectives.layout import ceil_div
+from torus_collectives.tiling import ceil_div
 
 AxisNames = tuple[str, ...]
 Chain = tuple[tuple[str, int], ...]  # (phase kind, grid axis), in order

@@ -25,7 +25,7 @@ from jax import lax
 from torus_collectives import quantization
 from torus_collectives import schedule as schedule_lib
 from torus_collectives.axes import drop_unit_axes
-from torus_collectives.layout import accumulation_dtype, ceil_div, pad_chunks, pad_to
+from torus_collectives.tiling import accumulation_dtype, ceil_div, pad_chunks, pad_to
 
 AxisNames = tuple[str, ...]
 

@@ -1,6 +1,6 @@
 """Batch norm's kernel tunable, ``BlockSizes``: the block shape of every pass over the
 activation, viewed in XLA's TPU layout as ``[rows, sublanes, channels]``
-(``layout.bn_view``), tiled into ``block_rows`` x sublanes x ``block_channels`` blocks.
+(``tiling.bn_view``), tiled into ``block_rows`` x sublanes x ``block_channels`` blocks.
 
 In the core, not beside the kernels, so that ``batch_norm(..., block_sizes=)`` validates
 it without importing Pallas; frozen and self-validating, like ``configs.KernelConfig``.
@@ -12,7 +12,7 @@ import dataclasses
 import math
 
 from torus_collectives.configs import scoped_vmem_bytes
-from torus_collectives.layout import LANES, SUBLANES, ceil_div
+from torus_collectives.tiling import LANES, SUBLANES, ceil_div
 
 # The widest channel block.
 BN_MAX_BLOCK_CHANNELS = 512
@@ -21,7 +21,7 @@ BN_MAX_BLOCK_CHANNELS = 512
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Block shape of every batch-norm pass over the kernels' ``[R, S, C]`` view of the
-  activation (``layout.bn_view``: ``[H*W, N, C]`` for NHWC in XLA's convolution layout).
+  activation (``tiling.bn_view``: ``[H*W, N, C]`` for NHWC in XLA's convolution layout).
 
   Pass as ``batch_norm(..., block_sizes=)``; only ``implementation="pallas"`` reads it.
   None there: ``BlockSizes.default`` for the shape and TPU generation.

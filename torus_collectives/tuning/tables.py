@@ -234,14 +234,6 @@ def decide(runs: Sequence[Run], threshold: float = THRESHOLD) -> str:
   return min(ok, key=ok.get) if ok else BASELINE
 
 
-_GENERATIONS = (  # device_kind prefix -> cost-model generation
-  ("TPU v3", "v3"),
-  ("TPU v4", "v4"),
-  ("TPU v5 lite", "v5e"),
-  ("TPU v5e", "v5e"),
-  ("TPU v5", "v5p"),
-  ("TPU v6", "v6e"),
-)
 # Off TPU no interconnect is modelled; the floor then uses v5e's constants, an assumption,
 # and v5p's (six links) for a torus of three axes.
 _DEFAULT_GENERATION = "v5e"
@@ -255,7 +247,7 @@ def latency_floor_bytes(torus: tuple[int, ...], device_kind: str) -> int:
   (kept,) = drop_unit_axes(torus)
   if not kept:
     return 0
-  name = next((g for k, g in _GENERATIONS if device_kind.startswith(k)), _DEFAULT_GENERATION)
+  name = cost_model.generation_of(device_kind) or _DEFAULT_GENERATION
   generation = cost_model.GENERATIONS[name]
   if len(kept) > generation.links_per_chip // 2:
     generation = cost_model.GENERATIONS[_DEFAULT_3D_GENERATION]

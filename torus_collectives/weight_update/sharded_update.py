@@ -39,7 +39,7 @@ booleans, e.g. LARS's kernel-only weight decay and trust ratio) select exactly t
 they select unsharded.
 
 Which transformations are exact. The inner transformation is traced on the leaves' full
-shapes and its jaxpr is run on the shards by ``weight_update.interpreter``: elementwise arithmetic
+shapes and its jaxpr is run on the shards by ``weight_update.sharded_eval``: elementwise arithmetic
 runs on the shards; a reduction over a whole leaf or across leaves (a norm, a mean, a
 max: ``clip_by_global_norm``, ``lamb``, ``optax.lars``, ``novograd``, ``fromage``,
 Adafactor's RMS clipping and parameter scale, a ``jnp.sum`` written by hand) becomes the
@@ -97,24 +97,24 @@ from torus_collectives._optional import require
 from torus_collectives._vma import ensure_varying, mark_invariant
 from torus_collectives.collectives import AxisName, all_gather, reduce_scatter
 from torus_collectives.gradients import DEFAULT_BUCKET_BYTES, GRADIENT_SCOPE, WEIGHT_GATHER_SCOPE
-from torus_collectives.layout import ceil_div
 from torus_collectives.registry import Implementation
-from torus_collectives.weight_update.interpreter import Interpreter, Sharded, Shards, replicated
+from torus_collectives.tiling import ceil_div
+from torus_collectives.weight_update.sharded_eval import Interpreter, Sharded, Shards, replicated
 
 optax = require("optax", "weight_update")
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
-  """Where each leaf lives (``packing``'s layout): its shape, its shard length m, and the
-  buckets (leaf indices)."""
+class _ShardPlan:
+  """How the leaves are sharded and bucketed: each leaf's shape, its shard length m, and
+  the buckets (leaf indices)."""
 
   shapes: tuple[tuple[int, ...], ...]
   shard_sizes: tuple[int, ...]
   buckets: tuple[tuple[int, ...], ...]
 
   @classmethod
-  def of(cls, leaves, p: int, bucket_bytes: int, order=None) -> _Layout:
+  def of(cls, leaves, p: int, bucket_bytes: int, order=None) -> _ShardPlan:
     """Buckets filled in ``order`` (leaf indices), or in ``buckets_by_size``'s order."""
     return cls(
       shapes=tuple(tuple(leaf.shape) for leaf in leaves),
@@ -136,17 +136,13 @@ class ShardedUpdate(NamedTuple):
   """What ``sharded_update`` returns. ``init`` and ``update`` make it an optax gradient
   transformation; ``apply_gradients`` is the same step returning the new parameters (or,
   with ``gather=False``, this device's shards of them); ``shard_params`` and
-  ``gather_params`` convert between whole parameters and shards (deferred gather);
-  ``value_and_apply`` is a whole step on the shards, its gather threaded through the
-  forward pass and its reduce-scatter through the backward pass
-  (``weight_update.threaded``)."""
+  ``gather_params`` convert between whole parameters and shards (deferred gather)."""
 
   init: Callable[[Any], Any]
   update: Callable[..., tuple[Any, Any]]
   apply_gradients: Callable[..., tuple[Any, Any]]
   shard_params: Callable[[Any], Any]
   gather_params: Callable[..., Any]
-  value_and_apply: Callable[..., Callable]
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -160,11 +156,11 @@ class ErrorFeedbackState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class _Step:
-  """What one call knows about the parameters: axes, layout, and this device's shards."""
+  """What one call knows about the parameters: axes, shard plan, and this device's shards."""
 
   axes: tuple
   p: int
-  layout: _Layout
+  plan: _ShardPlan
   treedef: Any
   paths: tuple[str, ...]
   param_shards: tuple[jax.Array, ...]
@@ -174,7 +170,7 @@ class _Step:
     return Shards(self.axes, self.p)
 
   def sharded(self, locals_: list[jax.Array]) -> list[Sharded]:
-    return [Sharded(x, s, path) for x, s, path in zip(locals_, self.layout.shapes, self.paths)]
+    return [Sharded(x, s, path) for x, s, path in zip(locals_, self.plan.shapes, self.paths)]
 
 
 def sharded_update(
@@ -225,13 +221,6 @@ def sharded_update(
     weights first), so the gather can run while the forward pass computes. A gather moves
     values without arithmetic: the steps are bitwise those of ``apply_gradients``.
     ``shard_params(params)`` makes the first shards.
-
-    Threaded step: ``value_and_apply(fun, like, has_aux=False)(param_shards, state,
-    *args)`` is the gather, ``jax.value_and_grad(fun)`` on per-replica copies of the
-    gathered parameters and ``apply_gradients(..., gather=False)`` in one, returning
-    ``(value, (new_param_shards, new_state))``; with split collectives ("pallas") each
-    bucket's gather runs while the forward pass computes and each bucket's reduce-scatter
-    while the backward pass does (``weight_update.threaded``).
   """
   if not bucket_bytes > 0 or not math.isfinite(bucket_bytes):  # NaN fails both
     raise ValueError(f"{bucket_bytes=} must be positive and finite, as in all_reduce_gradients")
@@ -243,15 +232,12 @@ def sharded_update(
   if error_feedback and transport_dtype is None:
     raise ValueError("error_feedback=True needs a block-scaled transport_dtype such as jnp.int8")
   sharding = _Sharding(tx, axis_name, bucket_bytes, implementation, transport_dtype, error_feedback)
-  from torus_collectives.weight_update import threaded  # it builds on this module
-
   return ShardedUpdate(
     sharding.init,
     sharding.update,
     sharding.apply_gradients,
     sharding.shard_params,
     sharding.gather_params,
-    functools.partial(threaded.value_and_apply, sharding),
   )
 
 
@@ -272,13 +258,13 @@ class _Sharding:
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     leaves = [leaf for _, leaf in with_paths]
     p = math.prod(torus)
-    layout = _Layout.of(leaves, p, self.bucket_bytes)
+    plan = _ShardPlan.of(leaves, p, self.bucket_bytes)
     index = lax.axis_index(names)  # row-major: the chunk a tiled reduce-scatter leaves here
     shards = tuple(
       lax.dynamic_index_in_dim(packing.as_rows(leaf, p), index, keepdims=False) for leaf in leaves
     )
     paths = tuple(jax.tree_util.keystr(path) for path, _ in with_paths)
-    return _Step(names, p, layout, treedef, paths, shards)
+    return _Step(names, p, plan, treedef, paths, shards)
 
   def init(self, params):
     step = self.setup(params)
@@ -318,7 +304,7 @@ class _Sharding:
       grad_leaves = [
         (g.astype(jnp.float32) + r).astype(g.dtype) for g, r in zip(grad_leaves, residual)
       ]
-    step = dataclasses.replace(step, layout=_Layout.of(grad_leaves, step.p, self.bucket_bytes))
+    step = dataclasses.replace(step, plan=_ShardPlan.of(grad_leaves, step.p, self.bucket_bytes))
     grad_shards = _mean_shards(
       step, grad_leaves, self.implementation, self.transport_dtype, residual is not None
     )
@@ -345,7 +331,7 @@ class _Sharding:
     updates, new_state = _run_update(
       self.tx, step, step.sharded(list(grad_shards)), state_in, state_def, params, grads
     )
-    update_shards = [step.shards.cut(u, s).local for u, s in zip(updates, step.layout.shapes)]
+    update_shards = [step.shards.cut(u, s).local for u, s in zip(updates, step.plan.shapes)]
     stored = [
       _stored(step, value, shape, is_sharded)
       for value, shape, is_sharded in zip(new_state, state_shapes, sharded)
@@ -387,8 +373,8 @@ class _Sharding:
     shards = treedef.flatten_up_to(param_shards)
     p = math.prod(torus)
     check_shards(shards, shapes, p)
-    layout = _Layout.of(shapes, p, self.bucket_bytes, order)
-    step = _Step(names, p, layout, treedef, (), ())
+    plan = _ShardPlan.of(shapes, p, self.bucket_bytes, order)
+    step = _Step(names, p, plan, treedef, (), ())
     return _all_gather_leaves(step, self.implementation, treedef.unflatten(shards))
 
 
@@ -408,21 +394,21 @@ def _stored(step: _Step, value, shape, is_sharded: bool) -> jax.Array:
   if is_sharded:
     return step.shards.cut(value, shape).local
   if isinstance(value, Sharded):
-    raise AssertionError("a state leaf became sharded after the layout was fixed")
+    raise AssertionError("a state leaf became sharded after the shard plan was fixed")
   return replicated(value)
 
 
 def _resolved_buckets(op: str, pieces, step: _Step, implementation: str, block_scaled=False):
   """The implementation that runs ``op`` on all of ``pieces`` (resolved once, for the whole
-  tree), and the buckets it runs: the layout's, or one leaf each on lax, whose TPU
+  tree), and the buckets it runs: the plan's, or one leaf each on lax, whose TPU
   compiler overlaps a collective with compute only when its operand is a single array
   computed by a fusion, never a packed buffer (``torus_collectives.xla_settings``)."""
   request = collectives.request(op, pieces, step.axes)
   request = dataclasses.replace(request, block_scaled=block_scaled)
   implementation = registry.resolve(implementation, request)
   if registry.runs_lax(implementation):
-    return implementation, [[i] for bucket in step.layout.buckets for i in bucket]
-  return implementation, step.layout.buckets
+    return implementation, [[i] for bucket in step.plan.buckets for i in bucket]
+  return implementation, step.plan.buckets
 
 
 def _mean_shards(
@@ -431,7 +417,7 @@ def _mean_shards(
   """This device's shard of the mean of every gradient leaf, one reduce-scatter a bucket;
   ``with_residual``: and, per leaf, what this device's quantizations took off it (whole
   leaves, error feedback; through the backend itself, which returns it)."""
-  layout, p = step.layout, step.p
+  plan, p = step.plan, step.p
   with jax.named_scope(GRADIENT_SCOPE):
     pieces = [packing.as_rows(leaf, p) for leaf in grad_leaves]
     implementation, buckets = _resolved_buckets(
@@ -446,12 +432,12 @@ def _mean_shards(
         flat, step.axes, tiled=True, implementation=implementation, transport_dtype=transport_dtype
       )
     summed = packing.through_buckets(
-      collective, pieces, buckets, layout.shard_sizes, rows=(None, p) if with_residual else None
+      collective, pieces, buckets, plan.shard_sizes, rows=(None, p) if with_residual else None
     )
   residual = None
   if with_residual:
     summed, residual = summed
-    residual = [packing.from_rows(r, shape) for r, shape in zip(residual, layout.shapes)]
+    residual = [packing.from_rows(r, shape) for r, shape in zip(residual, plan.shapes)]
   means = [mean_of_sum(piece, p, leaf.dtype) for piece, leaf in zip(summed, grad_leaves)]
   return means if residual is None else (means, residual)
 
@@ -540,7 +526,7 @@ def _all_gather_leaves(step: _Step, implementation, shards):
   """Shards of every leaf -> whole leaves, one tiled all-gather per bucket."""
   leaves = step.treedef.flatten_up_to(shards)
   pieces = list(leaves)
-  for bucket in step.layout.buckets:  # one dtype per buffer
+  for bucket in step.plan.buckets:  # one dtype per buffer
     dtype = jnp.result_type(*(leaves[i] for i in bucket))
     for i in bucket:
       pieces[i] = leaves[i].astype(dtype)
@@ -553,9 +539,9 @@ def _all_gather_leaves(step: _Step, implementation, shards):
     return mark_invariant(gathered, step.axes)
 
   with jax.named_scope(WEIGHT_GATHER_SCOPE):
-    rows = packing.through_buckets(gather, pieces, buckets, step.layout.shard_sizes, rows=step.p)
+    rows = packing.through_buckets(gather, pieces, buckets, step.plan.shard_sizes, rows=step.p)
   out = [
     packing.from_rows(r, shape).astype(leaf.dtype)
-    for r, shape, leaf in zip(rows, step.layout.shapes, leaves)
+    for r, shape, leaf in zip(rows, step.plan.shapes, leaves)
   ]
   return jax.tree.unflatten(step.treedef, out)

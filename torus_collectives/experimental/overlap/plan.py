@@ -1,0 +1,271 @@
+"""The threaded summation's plan: every decision it makes about one traced
+``value_and_grad``, computed from the program's equations alone, before anything runs.
+
+``make_plan`` gives a frozen, printable ``Plan``: the buckets (``packing.buckets_by_size``
+in the order the program computes the leaves, the last cut at the last heavy equation:
+``cut_last_bucket``), where each starts (``ready_after``), which equations run after the
+last call issued (``pinned``), and the advance points between which each bucket's calls
+are spread (``advance_points``; a bucket's ``windows``). The tail's decisions (the units
+it evaluates one at a time, their work, the spacing of the calls over it) are pure
+functions here too (``units``, ``unit_work``, ``call_spacing``); the executor
+(``executor``) applies them. The algorithm is described in the package's docstring
+(``torus_collectives.experimental.overlap``), steps 2 to 5.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from torus_collectives import packing
+
+# The equations whose work a window between two collective calls holds: the backward
+# pass's convolutions and matmuls (everything else is cheap beside them).
+HEAVY = frozenset({"conv_general_dilated", "dot_general"})
+# Run after the last call issued (the package docstring, step 4): the heavy equations, and the
+# reductions (a batch norm's sums in the backward pass), each of which reads a whole
+# activation, work enough to cover a hop, and which XLA would otherwise run as early as
+# it may. The advance points are the leaves computed from them.
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
+PINNED = HEAVY | REDUCTIONS
+# Equations that move no data of their own (XLA makes them bitcasts or fuses them).
+LAYOUT = frozenset(
+  "reshape squeeze expand_dims broadcast_in_dim convert_element_type transpose copy copy_p".split()
+)
+# What lays an input out for a convolution without computing on it (``_computed``).
+LAID_OUT = LAYOUT | {"rev"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The decisions for one traced ``value_and_grad`` (``make_plan``). Positions index the
+  inlined equations; leaf numbers index the gradient's flat leaves.
+
+  ``buckets``: the leaf numbers of each bucket, in start order. ``ready_after``: per
+  bucket, the position of the equation after which its last leaf exists (-1: before any
+  equation), where its split collective starts. ``heavy``: the positions of the heavy
+  equations. ``pinned``: the positions of the equations that run after the last call
+  issued (the package docstring, step 4: the ``PINNED`` ones once a bucket is in
+  flight). ``points``: the advance points (``advance_points``)."""
+
+  buckets: tuple[tuple[int, ...], ...]
+  ready_after: tuple[int, ...]
+  heavy: tuple[int, ...]
+  pinned: tuple[int, ...]
+  points: tuple[int, ...]
+
+  def windows(self, bucket: int) -> tuple[int, ...]:
+    """The advance points after bucket ``bucket`` starts: its calls are spread over them."""
+    return tuple(p for p in self.points if p > self.ready_after[bucket])
+
+  def __str__(self) -> str:
+    lines = [
+      f"Plan: {len(self.buckets)} buckets, {len(self.heavy)} heavy equations, "
+      f"{len(self.pinned)} pinned, {len(self.points)} advance points"
+    ]
+    for b, (bucket, ready) in enumerate(zip(self.buckets, self.ready_after)):
+      lines.append(
+        f"  bucket {b}: leaves {list(bucket)}, starts after equation {ready}, "
+        f"{len(self.windows(b))} windows"
+      )
+    return "\n".join(lines)
+
+
+def make_plan(eqns, outs, grad_leaves: Sequence, bucket_bytes: float) -> Plan:
+  """The plan for the inlined equations ``eqns`` of a ``value_and_grad`` whose outputs
+  ``outs`` end with the gradient's leaves (``grad_leaves``: their shapes and dtypes)."""
+  grad_atoms = outs[len(outs) - len(grad_leaves) :]
+  produced_at = {key: position for position, item in enumerate(eqns) for key in item.outs}
+  where = [produced_at.get(a, -1) if isinstance(a, int) else -1 for a in grad_atoms]
+  order = sorted(range(len(grad_atoms)), key=lambda i: (where[i], i))
+  buckets = packing.buckets_by_size(grad_leaves, bucket_bytes, order)
+  heavy = [i for i, item in enumerate(eqns) if item.eqn.primitive.name in HEAVY]
+  if buckets and heavy:  # what exists only after the last heavy equation travels alone
+    buckets[-1:] = cut_last_bucket(buckets[-1], where, heavy[-1])
+  ready_after = [max(where[i] for i in bucket) for bucket in buckets]
+  first_start = min(ready_after, default=len(eqns))
+  leaf_keys = {a for a in grad_atoms if isinstance(a, int)}
+  pinned = [
+    i for i, item in enumerate(eqns) if i > first_start and item.eqn.primitive.name in PINNED
+  ]
+  return Plan(
+    buckets=tuple(tuple(bucket) for bucket in buckets),
+    ready_after=tuple(ready_after),
+    heavy=tuple(heavy),
+    pinned=tuple(pinned),
+    points=tuple(advance_points(eqns, leaf_keys, first_start)),
+  )
+
+
+def cut_last_bucket(bucket: list[int], positions, boundary: int) -> list[list[int]]:
+  """``bucket`` cut in two: its leaves whose ``positions`` lie before ``boundary``, then
+  the others (either part left out when empty). The summation's last bucket is cut at
+  the last heavy equation, so that the part with nothing to overlap (the first layer's
+  gradients, produced by the last backward convolution) is only what must be: a full
+  bucket there would be exposed whole."""
+  before = [i for i in bucket if positions[i] < boundary]
+  after = [i for i in bucket if positions[i] >= boundary]
+  return [part for part in (before, after) if part]
+
+
+def advance_points(eqns, leaf_keys, first_start: int) -> list[int]:
+  """The positions after ``first_start`` of the equations that compute a gradient leaf
+  from a ``PINNED`` equation evaluated since the previous such position (directly, or
+  through what derives from it): where the calls may advance, so that each window
+  between two of them holds work that runs after its first call."""
+  window: set[int] = set()
+  points = []
+  for position, item in enumerate(eqns):
+    if position <= first_start:
+      continue
+    if item.eqn.primitive.name in PINNED or any(
+      isinstance(a, int) and a in window for a in item.ins
+    ):
+      window.update(item.outs)
+      if any(k in leaf_keys for k in item.outs):
+        points.append(position)
+        window.clear()
+  return points
+
+
+def calls_due(calls: int, windows: Sequence[int], position: int) -> int:
+  """How many of its ``calls`` a collective has issued by the advance point ``position``,
+  given the points it was started before (``windows``): ``j * calls // len(windows)`` by
+  its ``j``-th point. So its calls spread evenly over the windows, one a window at most
+  (two calls in one window would leave the first one's hop nothing to overlap), and the
+  last is issued at the last point; with no window, none (they are issued at the end)."""
+  passed = sum(1 for p in windows if p <= position)
+  return passed * calls // max(len(windows), 1)
+
+
+def is_computed(key, producer) -> bool:
+  """Whether ``key`` is computed by an equation other than a layout change (``LAID_OUT``),
+  through any such changes: not a program input or constant moved into place."""
+  item = producer.get(key) if isinstance(key, int) else None
+  while item is not None and item.eqn.primitive.name in LAID_OUT:
+    key = item.ins[0]
+    item = producer.get(key) if isinstance(key, int) else None
+  return item is not None
+
+
+def units(eqns, outputs, producer) -> list[tuple[int, ...]]:
+  """What the tail evaluates one at a time, in the order it returns its ``outputs``: each
+  output, after the reductions in its cone that no earlier unit holds (together, one unit:
+  XLA fuses the reductions of one leaf, a trust ratio's two norms, into one pass). A
+  reduction's scalar result cannot fuse into the elementwise work that reads it, so the
+  window can close between them at no cost, and a large leaf's update (one norm pass, one
+  update pass) gives two windows, not one. An output that earlier units compute whole (a
+  momentum, computed for its parameter's update) joins the last of them, in the same
+  window, where XLA computes both in one pass."""
+  units: list[tuple[int, ...]] = []
+  claimed: set[int] = set()
+  unit_of: dict[int, int] = {}  # equation -> the unit that computes it
+  for key in outputs:
+    needed = cone(key, eqns, producer)
+    if all(i in unit_of for i in needed):
+      last = max(unit_of[i] for i in needed)
+      units[last] += (key,)
+      continue
+    reductions = [
+      i
+      for i in needed
+      if i not in claimed and eqns[i].eqn.primitive.name in REDUCTIONS and eqns[i].outs[0] != key
+    ]
+    claimed.update(reductions)
+    if reductions:
+      units.append(tuple(eqns[i].outs[0] for i in reductions))
+      for i in {j for r in reductions for j in cone(eqns[r].outs[0], eqns, producer)}:
+        unit_of.setdefault(i, len(units) - 1)
+    units.append((key,))
+    for i in needed:
+      unit_of.setdefault(i, len(units) - 1)
+  return units
+
+
+def unit_work(eqns, units, cones, producer) -> dict[tuple[int, ...], float]:
+  """Each unit's work, for spacing the calls: the bytes its keys hold, a reduction's those
+  of the array it reduces, where its cone holds an equation no earlier unit's does (the
+  momentum an update's cone computed holds none: it is done by then), else 0."""
+  avals = {k: v.aval for item in eqns for k, v in zip(item.outs, item.eqn.outvars)}
+
+  def nbytes(key):
+    item = eqns[producer[key]]
+    if item.eqn.primitive.name in REDUCTIONS:
+      aval = item.eqn.invars[0].aval
+    else:
+      aval = avals[key]
+    return math.prod(aval.shape) * aval.dtype.itemsize
+
+  seen: set[int] = set()
+  work = {}
+  for unit in units:
+    fresh = set(cones[unit]) - seen
+    seen |= fresh
+    work[unit] = float(sum(nbytes(key) for key in unit)) if fresh else 0.0
+  return work
+
+
+def cone(key, eqns, producer) -> list[int]:
+  """The positions of the equations ``key`` is computed from, in program order."""
+  found, stack = set(), [key]
+  while stack:
+    i = producer.get(stack.pop())
+    if i is None or i in found:
+      continue
+    found.add(i)
+    stack.extend(a for a in eqns[i].ins if isinstance(a, int))
+  return sorted(found)
+
+
+def call_spacing(unit_work, unit_needs, calls_left) -> list[float]:
+  """The tail's work (``unit_work``) that each collective in flight lets pass between
+  two of its calls.
+
+  The collectives are taken to finish in the order of their calls left (fewest first).
+  What can cover collective ``c``'s calls is the units that need none of the sums of
+  ``c`` and of the collectives finishing after it (``unit_needs``: the collectives'
+  indices each unit reads), evaluated in their order. Their work is lumpy (a convolution
+  kernel's update beside a batch norm scale's), so the spacing is fitted to it
+  (``fitted_spacing``): the largest that still closes a window for each of ``c``'s
+  calls, so that none is left to issue back to back after that work. 1 (a call after
+  every unit with work) where nothing can cover them; infinite for a collective with no
+  calls left."""
+  order = sorted(range(len(calls_left)), key=lambda i: calls_left[i])
+  spacing = [math.inf] * len(calls_left)
+  for rank, c in enumerate(order):
+    if not calls_left[c]:
+      continue
+    later = set(order[rank:])
+    free = [w for w, needs in zip(unit_work, unit_needs) if w and not needs & later]
+    spacing[c] = fitted_spacing(free, calls_left[c])
+  return spacing
+
+
+def fitted_spacing(work: list[float], windows: int) -> float:
+  """The largest spacing at which ``work`` (positive, in order) closes at least
+  ``windows`` windows, a window closing once the work in it reaches the spacing; the
+  smallest of ``work`` where even that closes fewer (one window a unit), 1 where there is
+  none. Found by bisection: fewer windows close the larger the spacing."""
+  if not work:
+    return 1.0
+  low, high = min(work), sum(work)
+  if windows_closed(work, low) < windows:
+    return low
+  if windows_closed(work, high) >= windows:
+    return high
+  for _ in range(60):  # low closes enough windows, high too few
+    middle = (low + high) / 2
+    low, high = (middle, high) if windows_closed(work, middle) >= windows else (low, middle)
+  return low
+
+
+def windows_closed(work: list[float], spacing: float) -> int:
+  """How many windows ``work`` (in order) closes at ``spacing``: a window closes once the
+  work in it reaches the spacing (what is left after the last is no window)."""
+  count, since = 0, 0.0
+  for w in work:
+    since += w
+    if since >= spacing:
+      count, since = count + 1, 0.0
+  return count
