@@ -44,7 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from torus_collectives import target
 from torus_collectives._vma import varying_like
-from torus_collectives.configs import scoped_vmem_bytes, vmem_bytes
+from torus_collectives.kernel_config import scoped_vmem_bytes, vmem_bytes
 from torus_collectives.norm.block_sizes import BlockSizes
 from torus_collectives.norm.passes import (
   AFFINE_BIAS,

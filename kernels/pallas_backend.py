@@ -66,7 +66,7 @@ import jax.numpy as jnp
 
 from torus_collectives import schedule as schedule_lib
 from torus_collectives._vma import ensure_varying
-from torus_collectives.configs import LANES, KernelConfig
+from torus_collectives.kernel_config import LANES, KernelConfig
 from torus_collectives.kernels import (
   buffer_layout,
   quantized_kernels,

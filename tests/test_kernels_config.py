@@ -2,7 +2,7 @@
 
 import pytest
 
-from torus_collectives import configs as config_lib
+from torus_collectives import kernel_config as config_lib
 from torus_collectives import schedule
 
 

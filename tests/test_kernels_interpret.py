@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
-from torus_collectives import configs as config_lib
+from torus_collectives import kernel_config as config_lib
 from torus_collectives import registry
 from torus_collectives.kernels import pallas_backend as kernels
 from torus_collectives.kernels import torus_kernels

@@ -8,7 +8,7 @@ top to bottom (each module imports only those of its own layer and below;
 it):
 
 * *api*: this module, the hardware check (``check``), the old paths kept for one release
-  (``nn``, ``timing``, ``tune``, ``overlap``),
+  (``nn``, ``timing``, ``tune``, ``overlap``, ``layout``, ``configs``),
   and ``testing``, the tests' and benchmarks' support (not part of the ops' API);
 * *tuner*: ``tuning.tuner`` and ``tuning.step_tuning`` (with ``tuning.timing``), which time
   the ops;
@@ -25,7 +25,7 @@ it):
   (batch norm's jnp passes), each loaded by the registry only when chosen;
 * *shared*: ``schedule`` (the algorithm as data), ``tiling``, ``packing`` (pytrees as flat
   buffers), ``axes`` (axis names, size-one axes), ``groups`` (replica groups as tiles),
-  ``topology``, ``configs``, ``norm.block_sizes``, ``quantization`` (the block-scaled
+  ``topology``, ``kernel_config``, ``norm.block_sizes``, ``quantization`` (the block-scaled
   format), ``target`` (the device being traced for), ``cost_model`` (its alpha-beta
   prices), ``sizes`` (byte counts as text), ``xla_settings``, the private-jax and vma
   helpers, and the subpackages' ``__init__``, which import nothing.
@@ -54,9 +54,9 @@ from torus_collectives.collectives import (
   psum_scatter,
   reduce_scatter,
 )
-from torus_collectives.configs import KernelConfig
 from torus_collectives.gradients import all_reduce_gradients
 from torus_collectives.groups import resolve_tile
+from torus_collectives.kernel_config import KernelConfig
 from torus_collectives.norm.batch_norm import batch_norm
 from torus_collectives.norm.block_sizes import BlockSizes
 from torus_collectives.quantization import BlockScaled

@@ -64,7 +64,7 @@ from torus_collectives import axes, packing, primitives, quantization, registry
 from torus_collectives import groups as groups_lib
 from torus_collectives._vma import ensure_varying, vma_checked
 from torus_collectives.axes import AxisName
-from torus_collectives.configs import KernelConfig
+from torus_collectives.kernel_config import KernelConfig
 from torus_collectives.registry import Implementation
 
 AxisIndexGroups = Sequence[Sequence[int]] | None

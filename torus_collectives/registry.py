@@ -64,7 +64,7 @@ import jax.numpy as jnp
 
 from torus_collectives import _jax_internals as jax_internals
 from torus_collectives import target
-from torus_collectives.configs import KernelConfig
+from torus_collectives.kernel_config import KernelConfig
 from torus_collectives.topology import MAX_TORUS_AXES
 from torus_collectives.tuning import tables
 

@@ -3,7 +3,7 @@ activation, viewed in XLA's TPU layout as ``[rows, sublanes, channels]``
 (``tiling.bn_view``), tiled into ``block_rows`` x sublanes x ``block_channels`` blocks.
 
 In the core, not beside the kernels, so that ``batch_norm(..., block_sizes=)`` validates
-it without importing Pallas; frozen and self-validating, like ``configs.KernelConfig``.
+it without importing Pallas; frozen and self-validating, like ``kernel_config.KernelConfig``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from torus_collectives.configs import scoped_vmem_bytes
+from torus_collectives.kernel_config import scoped_vmem_bytes
 from torus_collectives.tiling import LANES, SUBLANES, ceil_div
 
 # The widest channel block.
