@@ -418,7 +418,7 @@ def test_advance_points_are_leaves_computed_from_new_work():
   producer = {key: item for item in eqns for key in item.outs}
 
   def work(item):  # the equation a layout change (the weight gradient's transpose) reads
-    while item.eqn.primitive.name in plan.LAYOUT:
+    while item.eqn.primitive.name in plan.MOVES_NO_DATA:
       item = producer[item.ins[0]]
     return item.eqn.primitive.name
 

@@ -30,11 +30,11 @@ HEAVY = frozenset({"conv_general_dilated", "dot_general"})
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 PINNED = HEAVY | REDUCTIONS
 # Equations that move no data of their own (XLA makes them bitcasts or fuses them).
-LAYOUT = frozenset(
+MOVES_NO_DATA = frozenset(
   "reshape squeeze expand_dims broadcast_in_dim convert_element_type transpose copy copy_p".split()
 )
-# What lays an input out for a convolution without computing on it (``_computed``).
-LAID_OUT = LAYOUT | {"rev"}
+# What lays an input out for a convolution without computing on it (``is_computed``).
+LAID_OUT = MOVES_NO_DATA | {"rev"}
 
 
 @dataclasses.dataclass(frozen=True)
