@@ -15,6 +15,8 @@
   on top of them;
 * ``batch_norm``: the per-replica batch-norm passes as fused kernels.
 
-Imported only when an implementation chooses Pallas; they import from the core only the
-schedule, layout, configs and vma helpers, never the public API.
+Imported only when an implementation chooses Pallas; from the core they import only the
+shared facts (``schedule``, ``tiling``, ``kernel_config``, ``axes``, ``quantization``,
+``target``, the vma helpers) and batch norm's ``norm.block_sizes`` and ``norm.passes``,
+never the public API.
 """

@@ -66,7 +66,7 @@ import jax.numpy as jnp
 
 from torus_collectives import schedule as schedule_lib
 from torus_collectives._vma import ensure_varying
-from torus_collectives.kernel_config import LANES, KernelConfig
+from torus_collectives.kernel_config import KernelConfig
 from torus_collectives.kernels import (
   buffer_layout,
   quantized_kernels,
@@ -74,7 +74,7 @@ from torus_collectives.kernels import (
   torus_kernels,
 )
 from torus_collectives.kernels.remote_dma import mesh_target
-from torus_collectives.tiling import accumulation_dtype, ceil_div, pad_chunks, pad_to
+from torus_collectives.tiling import LANES, accumulation_dtype, ceil_div, pad_chunks, pad_to
 
 
 def _work_dtype(dtype, config: KernelConfig | None) -> jnp.dtype:

@@ -128,7 +128,6 @@ from torus_collectives.kernels.remote_dma import (
   collective_id,
   copy_and_wait,
   hbm_like,
-  links,
   mesh_coordinates,
 )
 
@@ -136,15 +135,10 @@ __all__ = [
   "ADD_BYTES",
   "add_in_vmem",
   "all_gather_call",
-  "collective_id",
-  "links",
-  "mesh_coordinates",
   "reduce_scatter_call",
 ]
 
 _RECV_SLOTS = 2
-# The topology under the name tests/test_kernel_accounting.py plants a faulty barrier by.
-_Topology = Topology
 
 
 def _phase_index(schedule: schedule_lib.Schedule) -> list[list[int]]:

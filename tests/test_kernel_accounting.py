@@ -45,7 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 from torus_collectives.kernels import batch_norm as kbn
-from torus_collectives.kernels import buffer_layout, torus_kernels
+from torus_collectives.kernels import buffer_layout, remote_dma, torus_kernels
 from torus_collectives.kernels import pallas_backend as kernels
 from torus_collectives.norm.block_sizes import BlockSizes
 
@@ -152,7 +152,7 @@ def test_torus_kernels_move_what_they_declare(monkeypatch, collective, shape, n,
   )
   assert len(schedules) == len(costs)
   if collective == "all_reduce":  # every stream: both directions of every axis
-    assert [len(torus_kernels.links(s)) for s in schedules] == [2 * len(shape)] * 2
+    assert [len(remote_dma.links(s)) for s in schedules] == [2 * len(shape)] * 2
   want = _per_device(LAX[collective](names), mesh, names)(x)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert [name.split("_x")[0] for name, _ in costs] == {
@@ -163,7 +163,7 @@ def test_torus_kernels_move_what_they_declare(monkeypatch, collective, shape, n,
   wire = accessed = 0
   for (name, cost), call, schedule in zip(costs, accounting.calls, schedules, strict=True):
     call.check()
-    check_barrier(call, p, len(torus_kernels.links(schedule)))
+    check_barrier(call, p, len(remote_dma.links(schedule)))
     assert call.total("pipeline_in") == call.total("pipeline_out") == call.total("body_hbm") == 0
     assert call.total("dma_count") > 0
     mean_bytes = Fraction(call.total("bytes_accessed"), p)
@@ -190,11 +190,11 @@ def test_barrier_that_waits_for_one_signal_is_caught(monkeypatch):
 
   def barrier(self, schedule):
     sem = pltpu.get_barrier_semaphore()
-    for axis, direction in torus_kernels.links(schedule):
+    for axis, direction in remote_dma.links(schedule):
       pl.semaphore_signal(sem, 1, device_id=self.neighbour(axis, -direction))
     pl.semaphore_wait(sem, 1)
 
-  monkeypatch.setattr(torus_kernels._Topology, "barrier", barrier)
+  monkeypatch.setattr(remote_dma.Topology, "barrier", barrier)
   schedules = _record_schedules(monkeypatch)
   mesh = harness.mesh((2, 4))
   names = mesh.axis_names
@@ -204,7 +204,7 @@ def test_barrier_that_waits_for_one_signal_is_caught(monkeypatch):
   )
   np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.sum(x, 0, keepdims=True) + 0 * x))
   for call, schedule in zip(accounting.calls, schedules, strict=True):
-    links = len(torus_kernels.links(schedule))
+    links = len(remote_dma.links(schedule))
     with pytest.raises(AssertionError, match="semaphores left signalled"):
       call.check()
     with pytest.raises(AssertionError, match=f"waits \\[1\\] for {links} signals"):
@@ -308,7 +308,7 @@ def test_dma_semaphore_left_signalled_is_caught(monkeypatch):
   left = call.imbalances()
   assert {kind for kind, _, _ in left} == {"allocated"}  # DMA semaphores, not the barrier
   assert {device for _, _, device in left} == set(range(8))
-  check_barrier(call, 8, len(torus_kernels.links(schedule)))
+  check_barrier(call, 8, len(remote_dma.links(schedule)))
 
 
 # (collective, mesh, elements per device, piece_rows, DMA mode) of the int8 kernels: one

@@ -24,7 +24,7 @@ from torus_collectives import quantization
 from torus_collectives import schedule as schedule_lib
 from torus_collectives.backends import shard_map as backend
 from torus_collectives.kernels import quantized_kernels as qk
-from torus_collectives.kernels import torus_kernels
+from torus_collectives.kernels import remote_dma
 from torus_collectives.tiling import ceil_div
 
 INT8 = quantization.BlockScaled("int8")
@@ -119,9 +119,9 @@ def test_declared_wire_bytes_are_the_schedules_at_int8_plus_scales(torus, rows):
 def test_collective_ids_differ_from_the_blocking_kernels():
   schedule = schedule_lib.build("all_reduce", (2, 4), "torus_split")
   rs = schedule_lib.build("reduce_scatter", (2, 4), "torus_split")
-  ours = torus_kernels.collective_id("quantized_all_reduce", ("x", "y"), schedule)
+  ours = remote_dma.collective_id("quantized_all_reduce", ("x", "y"), schedule)
   theirs = {
-    torus_kernels.collective_id(kind, ("x", "y"), rs) for kind in ("reduce_scatter", "all_gather")
+    remote_dma.collective_id(kind, ("x", "y"), rs) for kind in ("reduce_scatter", "all_gather")
   }
   assert ours not in theirs
 

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from torus_collectives import schedule as schedule_lib
-from torus_collectives.kernels import split_rings, torus_kernels
+from torus_collectives.kernels import remote_dma, split_rings
 from torus_collectives.testing.split_interpret import NeverWaitedError, async_interpret_mode
 
 pytestmark = pytest.mark.timeout(300, method="thread")
@@ -192,10 +192,10 @@ def test_collective_id_is_its_own(kind):
   """The calls' barrier uses the split pattern's collective id, not the blocking kernel's;
   done uses none."""
   schedule = schedule_lib.build(kind, (4,), "ring")
-  cid = torus_kernels.collective_id(f"async_{kind}", ("y",), schedule)
-  assert cid != torus_kernels.collective_id(kind, ("y",), schedule)
+  cid = remote_dma.collective_id(f"async_{kind}", ("y",), schedule)
+  assert cid != remote_dma.collective_id(kind, ("y",), schedule)
   # The other direction signals the other neighbours: a barrier semaphore of its own.
-  assert cid != torus_kernels.collective_id(split_rings.pattern(kind, -1), ("y",), schedule)
+  assert cid != remote_dma.collective_id(split_rings.pattern(kind, -1), ("y",), schedule)
   mesh = harness.mesh((2, 4), ("x", "y"))
   spec = P(("x", "y"))
   fn = jax.shard_map(
