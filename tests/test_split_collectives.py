@@ -90,13 +90,10 @@ def test_split_collectives_match_lax(mode, case, dtype):
   _check_all_three(harness.mesh(*MESHES[case]), DTYPES[dtype], mode)
 
 
-SPLIT_CASES = [  # every mesh and dtype in both DMA modes, each pair once
+SPLIT_CASES = [  # every mesh once; both DMA modes and both dtypes among them
   ("eager", "2x4", "float32"),
-  ("on_wait", "2x4", "bfloat16"),
   ("on_wait", "2x2x2", "float32"),
-  ("eager", "2x2x2", "bfloat16"),
   ("eager", "8", "bfloat16"),
-  ("on_wait", "8", "float32"),
 ]
 
 

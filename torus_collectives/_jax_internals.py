@@ -19,6 +19,9 @@ package's core must not (Pallas loads only with the kernels).
   ``op_name``s keep ``transpose(jvp(...))``) around a re-evaluation of it (``overlap``).
 * ``bool_state``: a jax config option of the package's own, keyed into jit's cache
   (``registry.bitwise_as_lax``).
+* ``all_gather_start``: the async all-gather, which XLA's TPU compiler emits as a genuine
+  all-gather where it compiles ``lax.all_gather`` over two mesh axes as an all-reduce
+  (``weight_update.xla_collectives``).
 * ``coordination_client``: the key-value store of ``jax.distributed``'s coordination
   service, which jax does not expose publicly (``resnet.faults``'s liveness heartbeat;
   orbax and ``jax.experimental.multihost_utils`` read it the same way).
@@ -31,6 +34,7 @@ from jax._src import config as _config
 from jax._src import distributed as _distributed
 from jax._src import source_info_util, xla_bridge
 from jax._src.core import Jaxpr, Literal, Primitive, Tracer, get_axis_env, pvary
+from jax._src.lax.parallel import all_gather_start
 
 bool_state = _config.bool_state
 
@@ -96,6 +100,7 @@ __all__ = [
   "Literal",
   "Primitive",
   "Tracer",
+  "all_gather_start",
   "auto_pcast",
   "bool_state",
   "backends_initialized",

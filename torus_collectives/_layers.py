@@ -57,6 +57,7 @@ LAYERS = (
       "torus_collectives.weight_update.sharded_eval",
       "torus_collectives.weight_update.sharded_update",
       "torus_collectives.weight_update.trust_ratio",
+      "torus_collectives.weight_update.xla_collectives",
     ),
   ),
   # The collectives as JAX primitives: their lowering runs the backend the registry names.

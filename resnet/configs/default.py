@@ -94,9 +94,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.tune = False
   # Cross-replica weight-update sharding (tc.sharded_update): reduce-scatter the gradients,
   # run LARS on each device's 1/p of the weights, all-gather the updates. Optimizer FLOPs
-  # and state per device / p. A torus grad_implementation moves one all-reduce's bytes; XLA
-  # ('auto' without a table) compiles psum_scatter to an all-reduce plus a slice on v5e,
-  # so there the step moves 1.5 all-reduces' bytes.
+  # and state per device / p. A torus grad_implementation moves one all-reduce's bytes; on XLA
+  # ('auto' without a table) too: genuine reduce-scatters and all-gathers, in the forms
+  # XLA's TPU compiler accepts (torus_collectives.weight_update.xla_collectives).
   c.weight_update_sharding = False
   # With weight-update sharding: keep each device's shard of the new weights and all-gather
   # them at the start of the next step, one bucket at a time in the order the forward pass

@@ -26,9 +26,10 @@ flat buckets as ``all_reduce_gradients`` groups them (``packing.buckets_by_size`
 dtype per bucket, in the order the backward pass produced the gradients, so each bucket's
 reduce-scatter can start while the backward pass goes on), and a bucket is the
 ``[p, sum m]`` concatenation of its leaves' rows, so one tiled reduce-scatter hands device
-d row d: a static-shaped shard of *every* leaf. Where the collectives resolve to lax, each
-leaf is a bucket of its own (XLA overlaps single arrays, not packed buffers; see
-``torus_collectives.xla_settings``).
+d row d: a static-shaped shard of *every* leaf; one tiled all-gather of a bucket's shards
+returns its rows. Where the collectives resolve to lax, each bucket goes to XLA in the
+forms its TPU compiler emits as one genuine reduce-scatter and one genuine all-gather,
+where the plain lax forms are all-reduces (``weight_update.xla_collectives``).
 
 Deferred gather. ``apply_gradients(..., gather=False)`` keeps this device's shard of the
 new weights; the next step's ``gather_params`` all-gathers them, one bucket at a time in
@@ -99,6 +100,7 @@ from torus_collectives.collectives import AxisName, all_gather, reduce_scatter
 from torus_collectives.gradients import DEFAULT_BUCKET_BYTES, GRADIENT_SCOPE, WEIGHT_GATHER_SCOPE
 from torus_collectives.registry import Implementation
 from torus_collectives.tiling import ceil_div
+from torus_collectives.weight_update import xla_collectives
 from torus_collectives.weight_update.sharded_eval import Interpreter, Sharded, Shards, replicated
 
 optax = require("optax", "weight_update")
@@ -398,42 +400,51 @@ def _stored(step: _Step, value, shape, is_sharded: bool) -> jax.Array:
   return replicated(value)
 
 
-def _resolved_buckets(op: str, pieces, step: _Step, implementation: str, block_scaled=False):
-  """The implementation that runs ``op`` on all of ``pieces`` (resolved once, for the whole
-  tree), and the buckets it runs: the plan's, or one leaf each on lax, whose TPU
-  compiler overlaps a collective with compute only when its operand is a single array
-  computed by a fusion, never a packed buffer (``torus_collectives.xla_settings``)."""
+def _resolved(op: str, pieces, step: _Step, implementation: str, block_scaled=False) -> str:
+  """The implementation that runs ``op`` on all of ``pieces``, resolved once for the whole
+  tree."""
   request = collectives.request(op, pieces, step.axes)
   request = dataclasses.replace(request, block_scaled=block_scaled)
-  implementation = registry.resolve(implementation, request)
-  if registry.runs_lax(implementation):
-    return implementation, [[i] for bucket in step.plan.buckets for i in bucket]
-  return implementation, step.plan.buckets
+  return registry.resolve(implementation, request)
 
 
 def _mean_shards(
   step: _Step, grad_leaves, implementation, transport_dtype, with_residual=False
 ) -> list[jax.Array] | tuple[list[jax.Array], list[jax.Array]]:
-  """This device's shard of the mean of every gradient leaf, one reduce-scatter a bucket;
+  """This device's shard of the mean of every gradient leaf, one reduce-scatter a bucket
+  (on lax in the form XLA's TPU compiler emits as a reduce-scatter: ``xla_collectives``);
   ``with_residual``: and, per leaf, what this device's quantizations took off it (whole
   leaves, error feedback; through the backend itself, which returns it)."""
   plan, p = step.plan, step.p
   with jax.named_scope(GRADIENT_SCOPE):
     pieces = [packing.as_rows(leaf, p) for leaf in grad_leaves]
-    implementation, buckets = _resolved_buckets(
+    implementation = _resolved(
       "reduce_scatter", pieces, step, implementation, transport_dtype is not None
     )
-    if with_residual:
-      collective = functools.partial(
-        _reduce_scatter_with_residual, step, implementation, transport_dtype
-      )
+    if transport_dtype is None and registry.runs_lax(implementation):
+      # A bucket's [p, sum m] rows.
+      collective = lambda flat: xla_collectives.reduce_scatter_rows(flat.reshape(p, -1), step.axes)
+      summed = packing.through_buckets(collective, pieces, plan.buckets, plan.shard_sizes)
     else:
-      collective = lambda flat: reduce_scatter(
-        flat, step.axes, tiled=True, implementation=implementation, transport_dtype=transport_dtype
+      if with_residual:
+        collective = functools.partial(
+          _reduce_scatter_with_residual, step, implementation, transport_dtype
+        )
+      else:
+        collective = lambda flat: reduce_scatter(
+          flat,
+          step.axes,
+          tiled=True,
+          implementation=implementation,
+          transport_dtype=transport_dtype,
+        )
+      summed = packing.through_buckets(
+        collective,
+        pieces,
+        plan.buckets,
+        plan.shard_sizes,
+        rows=(None, p) if with_residual else None,
       )
-    summed = packing.through_buckets(
-      collective, pieces, buckets, plan.shard_sizes, rows=(None, p) if with_residual else None
-    )
   residual = None
   if with_residual:
     summed, residual = summed
@@ -531,15 +542,20 @@ def _all_gather_leaves(step: _Step, implementation, shards):
     for i in bucket:
       pieces[i] = leaves[i].astype(dtype)
 
-  implementation, buckets = _resolved_buckets("all_gather", pieces, step, implementation)
+  implementation = _resolved("all_gather", pieces, step, implementation)
 
   def gather(flat):
-    gathered = all_gather(flat, step.axes, tiled=True, implementation=implementation)
+    if registry.runs_lax(implementation):
+      gathered = xla_collectives.all_gather_shards(flat, step.axes)
+    else:
+      gathered = all_gather(flat, step.axes, tiled=True, implementation=implementation)
     # Identical on every device: type it replicated, as a psum's result would be.
     return mark_invariant(gathered, step.axes)
 
   with jax.named_scope(WEIGHT_GATHER_SCOPE):
-    rows = packing.through_buckets(gather, pieces, buckets, step.plan.shard_sizes, rows=step.p)
+    rows = packing.through_buckets(
+      gather, pieces, step.plan.buckets, step.plan.shard_sizes, rows=step.p
+    )
   out = [
     packing.from_rows(r, shape).astype(leaf.dtype)
     for r, shape, leaf in zip(rows, step.plan.shapes, leaves)
