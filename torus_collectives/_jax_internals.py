@@ -20,7 +20,7 @@ package's core must not (Pallas loads only with the kernels).
 * ``bool_state``: a jax config option of the package's own, keyed into jit's cache
   (``registry.bitwise_as_lax``).
 * ``all_gather_start``: the async all-gather, which XLA's TPU compiler emits as a genuine
-  all-gather where it compiles ``lax.all_gather`` over two mesh axes as an all-reduce
+  all-gather where it may compile ``lax.all_gather`` over two mesh axes as an all-reduce
   (``weight_update.xla_collectives``).
 * ``coordination_client``: the key-value store of ``jax.distributed``'s coordination
   service, which jax does not expose publicly (``resnet.faults``'s liveness heartbeat;

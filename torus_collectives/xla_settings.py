@@ -18,10 +18,11 @@ output, read with ``testing.hlo_schedule``):
   synchronous too, for reasons the compiler does not print.
   ``tests/test_overlap_compiled.py`` checks the first two facts on a small MLP.
 * **Reduce-scatters and all-gathers.** It compiles a flat ``lax.psum_scatter`` over mesh
-  axes as an all-reduce and a slice, and ``lax.all_gather`` over two axes as an
-  all-reduce, so each moves an all-reduce's bytes. The async forms (a reduce-scatter of
-  whole tiles through ``lax.psum_scatter_start``, the async all-gather) are genuine, which
-  is how ``sharded_update`` sends its buckets on lax (``weight_update.xla_collectives``).
+  axes as an all-reduce and a slice, and often ``lax.all_gather`` over two axes as an
+  all-reduce (over v5e:16x16 for every shape tried), so each moves an all-reduce's bytes.
+  The async forms (a reduce-scatter of whole tiles through ``lax.psum_scatter_start``, the
+  async all-gather) are genuine, which is how ``sharded_update`` sends its buckets on lax
+  (``weight_update.xla_collectives``).
 
 Whether the flags pay is a question of topology, and ``python -m bench.overlap_report``
 answers it (compiler estimates and the cost model; docs/benchmarks.md has the table): each

@@ -3,9 +3,11 @@ reduce-scatters and all-gathers.
 
 Weight-update sharding moves each step one reduce-scatter of the gradients and one
 all-gather of the weights; on a torus each is half an all-reduce's bytes. XLA's TPU
-compiler (libtpu 0.0.50) compiles the plain lax forms of both as all-reduces instead: a
-flat ``lax.psum_scatter`` as an all-reduce and a slice, and ``lax.all_gather`` over two
-mesh axes as an all-reduce of a zero-padded buffer. So each moves twice its bytes. The
+compiler (libtpu 0.0.50) compiles the plain lax forms as all-reduces instead: a flat
+``lax.psum_scatter`` as an all-reduce and a slice, and ``lax.all_gather`` over two mesh
+axes often as an all-reduce of a zero-padded buffer (over v5e:16x16 for every shape
+tried; over v5e:2x2 for a shard that is no whole number of tiles). Each then moves twice
+its bytes. The
 async forms compile to the genuine collectives (ahead-of-time compiles for v5e, v6e, v5p
 and v4: ``tests/test_xla_collectives.py``; ``python -m bench.async_collectives_report``):
 
