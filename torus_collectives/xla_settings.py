@@ -10,12 +10,14 @@ output, read with ``testing.hlo_schedule``):
   fusion (a layer's weight gradient) becomes an ``async-collective-start``/``-done`` pair,
   and XLA moves the next layers' weight-gradient fusions into the window between them. A
   packed buffer (a concatenate) or a combined (tuple) all-reduce stays synchronous and is
-  scheduled after the backward pass, so on XLA the package hands the compiler single
-  leaves (``all_reduce_gradients``; ``sharded_update``'s reduce-scatters and gathers),
-  never packed buckets. The combiner still merges leaves below ``COMBINE_BELOW_BYTES``
-  (batch-norm scales and biases), which would otherwise each pay a collective's latency,
-  synchronously. In ResNet-50 the 9 MiB float32 kernels of the last stage stay
-  synchronous too, for reasons the compiler does not print.
+  scheduled after the backward pass, so on XLA ``all_reduce_gradients`` hands the
+  compiler single leaves, never packed buckets. (``sharded_update`` hands it buckets: its
+  genuine reduce-scatters and all-gathers, ``weight_update.xla_collectives``, cost one
+  latency a bucket, where single leaves paid one a leaf.) The combiner still merges
+  leaves below ``COMBINE_BELOW_BYTES`` (batch-norm scales and biases), which would
+  otherwise each pay a collective's latency, synchronously. In ResNet-50 the 9 MiB
+  float32 kernels of the last stage stay synchronous too, for reasons the compiler does
+  not print.
   ``tests/test_overlap_compiled.py`` checks the first two facts on a small MLP.
 * **Reduce-scatters and all-gathers.** It compiles a flat ``lax.psum_scatter`` over mesh
   axes as an all-reduce and a slice, and often ``lax.all_gather`` over two axes as an

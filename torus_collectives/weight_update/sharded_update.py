@@ -421,30 +421,19 @@ def _mean_shards(
     implementation = _resolved(
       "reduce_scatter", pieces, step, implementation, transport_dtype is not None
     )
-    if transport_dtype is None and registry.runs_lax(implementation):
-      # A bucket's [p, sum m] rows.
+    if transport_dtype is None and registry.runs_lax(implementation):  # [p, sum m] rows
       collective = lambda flat: xla_collectives.reduce_scatter_rows(flat.reshape(p, -1), step.axes)
-      summed = packing.through_buckets(collective, pieces, plan.buckets, plan.shard_sizes)
-    else:
-      if with_residual:
-        collective = functools.partial(
-          _reduce_scatter_with_residual, step, implementation, transport_dtype
-        )
-      else:
-        collective = lambda flat: reduce_scatter(
-          flat,
-          step.axes,
-          tiled=True,
-          implementation=implementation,
-          transport_dtype=transport_dtype,
-        )
-      summed = packing.through_buckets(
-        collective,
-        pieces,
-        plan.buckets,
-        plan.shard_sizes,
-        rows=(None, p) if with_residual else None,
+    elif with_residual:
+      collective = functools.partial(
+        _reduce_scatter_with_residual, step, implementation, transport_dtype
       )
+    else:
+      collective = lambda flat: reduce_scatter(
+        flat, step.axes, tiled=True, implementation=implementation, transport_dtype=transport_dtype
+      )
+    summed = packing.through_buckets(
+      collective, pieces, plan.buckets, plan.shard_sizes, rows=(None, p) if with_residual else None
+    )
   residual = None
   if with_residual:
     summed, residual = summed
