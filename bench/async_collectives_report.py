@@ -20,7 +20,13 @@ The shape probes compile one ``psum_scatter_start(...).done()`` (the async API's
 reduce-scatter) over both axes of a 2-D ``("x", "y")`` mesh on a per-device operand
 computed in the program: 1-D, ``[p, 1024]`` (one row a device: no whole tile) and
 ``[p * 8, 128]`` (a whole ``(8, 128)`` tile a device), and ``lax.psum_scatter`` of the
-last, for each TPU generation.
+last, for each TPU generation. Two more probes feed
+``torus_collectives.weight_update.xla_collectives``: the tile counts a device's part of a
+``[p * r, 128]`` reduce-scatter may have (``TILE_COUNTS`` over ``TILE_TOPOLOGIES``, each
+topology in one process: a refused count raises, it does not crash), and what
+``lax.all_gather`` and the async all-gather (``all_gather_start(...).done()``) of a flat
+shard over both axes compile to, for a shard of whole tiles and one of no whole number
+(``GATHER_TOPOLOGIES``).
 """
 
 from __future__ import annotations
@@ -56,6 +62,17 @@ ROWS = {
 }
 PROBE_TOPOLOGIES = ("v5e:4x4", "v6e:2x2", "v5p:2x2x1", "v4:2x2x1")
 PROBE_SHAPES = ("1-D", "one row a device", "one tile a device", "one tile, lax.psum_scatter")
+TILE_COUNTS = (1, 16, 17, 25, 31, 32, 48, 272)
+TILE_TOPOLOGIES = (
+  ("v5e:16x16", "float32"),
+  ("v5e:16x16", "bfloat16"),
+  ("v6e:16x16", "float32"),
+  ("v4:4x4x4", "float32"),
+  ("v5e:4x4", "float32"),
+)
+GATHER_TOPOLOGIES = ("v5e:2x2", "v5e:4x4", "v5e:16x16", "v6e:2x2", "v5p:2x2x1", "v4:2x2x1")
+GATHER_FORMS = ("lax.all_gather", "async all-gather")
+GATHER_SHARDS = {"whole tiles": 16384, "no whole tile count": 16407}
 
 
 def _mesh(topology: str, axes: tuple[str, ...]) -> Mesh:
@@ -174,6 +191,59 @@ def compile_probe(topology: str, shape: str) -> dict:
   }
 
 
+def _collectives(program, arg) -> list[str]:
+  ops = entry_ops(program.lower(arg).compile().as_text())
+  return sorted({op.collective for op in ops if op.collective})
+
+
+def compile_tiles(topology: str, dtype: str) -> dict:
+  """For each of ``TILE_COUNTS``: what ``psum_scatter_start`` of ``[p * r, 128]`` over both
+  axes, ``r`` that many whole tiles of ``dtype`` a device, compiles to (or the error)."""
+  mesh = _mesh(topology, ("x", "y"))
+  p, axes, dtype = mesh.size, ("x", "y"), jnp.dtype(dtype)
+  sublanes = 8 * max(1, 4 // dtype.itemsize)
+
+  def reduce_scatter(v):
+    return lax.psum_scatter_start(jnp.tanh(v), axes, scatter_dimension=0, tiled=True).done()
+
+  program = jax.jit(
+    jax.shard_map(reduce_scatter, mesh=mesh, in_specs=P(axes), out_specs=P(axes), check_vma=False)
+  )
+  cells = {}
+  for tiles in TILE_COUNTS:
+    rows = p * p * tiles * sublanes  # [p * r, 128] on every device
+    arg = jax.ShapeDtypeStruct((rows, 128), dtype, sharding=NamedSharding(mesh, P(axes)))
+    try:
+      cells[str(tiles)] = {"collectives": _collectives(program, arg)}
+    except jax.errors.JaxRuntimeError as e:  # the compiler refuses the shape
+      cells[str(tiles)] = {"failed": str(e).split("\n")[0].split(" for ")[0][:60]}
+  return cells
+
+
+def compile_gathers(topology: str) -> dict:
+  """For each of ``GATHER_FORMS`` and ``GATHER_SHARDS``: what an all-gather over both axes
+  of a flat float32 shard computed on the device compiles to."""
+  from torus_collectives import _jax_internals
+
+  mesh = _mesh(topology, ("x", "y"))
+  p, axes = mesh.size, ("x", "y")
+  cells = {}
+  for form in GATHER_FORMS:
+    for label, m in GATHER_SHARDS.items():
+
+      def gather(v, form=form):
+        if form == "lax.all_gather":
+          return 2 * lax.all_gather(jnp.tanh(v), axes, tiled=True)
+        return 2 * _jax_internals.all_gather_start(jnp.tanh(v), axes, tiled=True).done()
+
+      program = jax.jit(
+        jax.shard_map(gather, mesh=mesh, in_specs=P(axes), out_specs=P(), check_vma=False)
+      )
+      arg = jax.ShapeDtypeStruct((p * m,), jnp.float32, sharding=NamedSharding(mesh, P(axes)))
+      cells[f"{form}, {label}"] = {"collectives": _collectives(program, arg)}
+  return cells
+
+
 def _in_process(kind: str, *args: str) -> dict:
   """One row in a process of its own: its result, or how the process ended."""
   # Other processes may hold libtpu (the test suite's ahead-of-time compiles).
@@ -226,12 +296,48 @@ def markdown(topology: str, rows: dict, probes: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _cell(c: dict) -> str:
+  return c.get("failed") or ", ".join(c["collectives"])
+
+
+def probe_tables(tiles: dict, gathers: dict) -> str:
+  """The tile-count and all-gather probes as two markdown tables."""
+  lines = [
+    "",
+    "## psum_scatter_start of [p * r, 128]: tiles a device",
+    "",
+    "| topology, dtype | " + " | ".join(str(t) for t in TILE_COUNTS) + " |",
+    "|---" * (len(TILE_COUNTS) + 1) + "|",
+  ]
+  for key, cells in tiles.items():
+    if "failed" in cells:  # the whole process ended
+      lines.append(f"| {key} | " + " | ".join([cells["failed"]] * len(TILE_COUNTS)) + " |")
+      continue
+    lines.append(f"| {key} | " + " | ".join(_cell(cells[str(t)]) for t in TILE_COUNTS) + " |")
+  columns = [f"{form}, {label}" for form in GATHER_FORMS for label in GATHER_SHARDS]
+  lines += [
+    "",
+    "## all-gather of a flat shard over both axes (16,384 or 16,407 float32 a device)",
+    "",
+    "| topology | " + " | ".join(columns) + " |",
+    "|---" * (len(columns) + 1) + "|",
+  ]
+  for topo, cells in gathers.items():
+    if "failed" in cells:
+      lines.append(f"| {topo} | " + " | ".join([cells["failed"]] * len(columns)) + " |")
+      continue
+    lines.append(f"| {topo} | " + " | ".join(_cell(cells[c]) for c in columns) + " |")
+  return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--topology", default="v5e:2x2")
   parser.add_argument("--out", default="bench/results/async_collectives.md")
   parser.add_argument("--row", nargs=2, metavar=("TOPOLOGY", "LABEL"), help=argparse.SUPPRESS)
   parser.add_argument("--probe", nargs=2, metavar=("TOPOLOGY", "SHAPE"), help=argparse.SUPPRESS)
+  parser.add_argument("--tiles", nargs=2, metavar=("TOPOLOGY", "DTYPE"), help=argparse.SUPPRESS)
+  parser.add_argument("--gathers", nargs=1, metavar="TOPOLOGY", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.row:
     form, ordered, _ = ROWS[args.row[1]]
@@ -240,13 +346,22 @@ def main(argv=None) -> None:
   if args.probe:
     print(json.dumps(compile_probe(*args.probe)))
     return
+  if args.tiles:
+    print(json.dumps(compile_tiles(*args.tiles)))
+    return
+  if args.gathers:
+    print(json.dumps(compile_gathers(*args.gathers)))
+    return
   rows = {label: _in_process("row", args.topology, label) for label in ROWS}
   probes = {t: {s: _in_process("probe", t, s) for s in PROBE_SHAPES} for t in PROBE_TOPOLOGIES}
-  text = markdown(args.topology, rows, probes)
+  tiles = {f"{t}, {d}": _in_process("tiles", t, d) for t, d in TILE_TOPOLOGIES}
+  gathers = {t: _in_process("gathers", t) for t in GATHER_TOPOLOGIES}
+  text = markdown(args.topology, rows, probes) + probe_tables(tiles, gathers)
   with open(args.out, "w") as f:
     f.write(text)
   with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-    json.dump({"topology": args.topology, "rows": rows, "probes": probes}, f, indent=1)
+    record = {"topology": args.topology, "rows": rows, "probes": probes}
+    json.dump({**record, "tiles": tiles, "gathers": gathers}, f, indent=1)
   print(text)
 
 

@@ -7,30 +7,30 @@ compiler (libtpu 0.0.50) compiles the plain lax forms as all-reduces instead: a 
 ``lax.psum_scatter`` as an all-reduce and a slice, and ``lax.all_gather`` over two mesh
 axes often as an all-reduce of a zero-padded buffer (over v5e:16x16 for every shape
 tried; over v5e:2x2 for a shard that is no whole number of tiles). Each then moves twice
-its bytes. The
-async forms compile to the genuine collectives (ahead-of-time compiles for v5e, v6e, v5p
-and v4: ``tests/test_xla_collectives.py``; ``python -m bench.async_collectives_report``):
+its bytes. The async forms compile to the genuine collectives (ahead-of-time compiles for
+v5e, v6e, v5p and v4: ``tests/test_xla_collectives.py``; the probes of ``python -m
+bench.async_collectives_report``):
 
 * **Reduce-scatter** (``reduce_scatter_rows``). Device ``d`` receives row ``d`` of a
   bucket's ``[p, m]`` rows (``packing``). XLA's TPU compiler emits a ``reduce-scatter``
-  only where each device's part is whole ``(sublanes, 128)`` tiles along a major
-  dimension, an operand ``[p * r, 128]`` scattered along dimension 0 with ``r`` a
-  multiple of the dtype's sublane tile (8 rows of 32-bit values, 16 of 16-bit), asked
-  through ``lax.psum_scatter_start(...).done()``, and where a device's part is at most 16
-  tiles or a multiple of 16 (``SPAN_TILES``). Otherwise it refuses to compile ("2nd-minor
-  compaction"; "no feasible span count", for 17 or 31 tiles a device over v5e:16x16 and 31
-  over v6e:16x16 and v4:4x4x4, while every count up to 16 and every multiple of 16 tried
-  compiled on each generation), crashes (a 1-D operand), or, for ``lax.psum_scatter`` of
-  the same operand, emits an all-reduce and a slice. So each row is padded from ``m`` to
-  ``m'`` elements, ``m'`` the least number of whole tiles (1,024 elements of 32 bits,
-  2,048 of 16) that is at most 16 tiles or a multiple of 16, viewed as
-  ``[p * m' / 128, 128]`` and reduce-scattered; the first ``m`` elements of the result
-  are the shard. Only where the padding is at most half the row (``TILE_PADDING_LIMIT``),
-  so the reduce-scatter moves at most one and a half times the row's bytes against the
-  all-reduce's two; a shorter row keeps the flat ``lax.psum_scatter``.
+  only for an operand ``[p * r, 128]`` scattered along dimension 0, each device's part
+  whole ``(sublanes, 128)`` tiles (``r`` a multiple of 8 rows of 32-bit values, 16 of
+  16-bit), asked through ``lax.psum_scatter_start(...).done()``, and with a number of
+  tiles a device it finds a "span count" for. Every count up to 16 and every multiple of
+  16 tried compiled on each generation; 17 and 31 tiles a device fail over v5e:16x16,
+  and 31 over v6e:16x16 and v4:4x4x4 (``SPAN_TILES``). Otherwise it refuses to compile
+  ("2nd-minor compaction", "no feasible span count"), crashes (a 1-D operand), or, for
+  ``lax.psum_scatter`` of the same operand, emits an all-reduce and a slice. So each row
+  is padded from ``m`` to ``m'`` elements, the least number of whole tiles (1,024
+  elements of 32 bits, 2,048 of 16) that is at most 16 tiles or a multiple of 16, viewed
+  as ``[p * m' / 128, 128]`` and reduce-scattered; the first ``m`` elements of the
+  result are the shard. Only where the padding is at most half the row
+  (``TILE_PADDING_LIMIT``), so the reduce-scatter moves at most one and a half times the
+  row's bytes against the all-reduce's two; a shorter row keeps the flat
+  ``lax.psum_scatter``.
 * **All-gather** (``all_gather_shards``): the async all-gather
   (``all_gather_start(...).done()``, a private jax API: ``_jax_internals``) of the flat
-  shard, which XLA's TPU compiler emits as an ``all-gather`` for any length.
+  shard, which XLA's TPU compiler emitted as an ``all-gather`` for every length tried.
 
 Both take a bucket (``packing``) each: one collective for many leaves, as XLA's own
 combiner would merge them, since on a large torus each collective pays a latency that
