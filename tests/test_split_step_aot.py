@@ -19,8 +19,8 @@ The same invariants hold in the ResNet example's train step with ``config.grad_o
 summation puts compute between the calls of the last bucket: on v5e, the generation the
 step is estimated for; the small network above covers all four generations and v5p's 3-D
 mesh (six streams a bucket). ``python -m bench.overlap_report`` shows the ResNet-50 step's
-schedule. And the zero that pins an operand after the calls
-survives compilation as no constant.
+schedule. And the zero that pins an operand after the calls survives compilation as no
+constant.
 """
 
 import itertools
