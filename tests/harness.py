@@ -34,6 +34,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from torus_collectives import _jax_internals as jax_internals
+
 AXIS_NAMES = ("x", "y", "z")
 # The torus ranks every conformance base runs: a ring, a 2-D and a 3-D torus of 8 devices.
 RANKS = {"1d": (8,), "2d": (2, 4), "3d": (2, 2, 2)}
@@ -100,7 +102,10 @@ def interpret_mode(dma_execution_mode: str = "on_wait"):
     dma_execution_mode=dma_execution_mode, detect_races=True, uninitialized_memory="nan"
   )
   try:
-    with pltpu.force_tpu_interpret_mode(params):
+    with (
+      pltpu.force_tpu_interpret_mode(params),
+      jax_internals.interpreter_callbacks_on_host_arrays(),
+    ):
       yield params
     races = interpret_pallas_call.races  # None until a kernel has run
     assert races is None or not races.races_found, "the interpreter detected a data race"

@@ -22,17 +22,26 @@ package's core must not (Pallas loads only with the kernels).
 * ``all_gather_start``: the async all-gather, which XLA's TPU compiler emits as a genuine
   all-gather where it may compile ``lax.all_gather`` over two mesh axes as an all-reduce
   (``weight_update.xla_collectives``).
+* ``interpreter_callbacks_on_host_arrays``: TPU interpret mode's callbacks handed the host
+  arrays XLA passes them, not jax Arrays placed on the CPU device one operand at a time
+  (``testing.split_interpret``, ``check.verify`` and the tests' interpret-mode harness).
 * ``coordination_client``: the key-value store of ``jax.distributed``'s coordination
   service, which jax does not expose publicly (``resnet.faults``'s liveness heartbeat;
   orbax and ``jax.experimental.multihost_utils`` read it the same way).
 """
 
 import contextlib
+import functools
+import threading
 import weakref
 
+import numpy as np
+from jax._src import callback as _callback
 from jax._src import config as _config
 from jax._src import distributed as _distributed
-from jax._src import source_info_util, xla_bridge
+from jax._src import mesh as _mesh
+from jax._src import sharding_impls as _sharding_impls
+from jax._src import source_info_util, tree_util, xla_bridge
 from jax._src.core import Jaxpr, Literal, Primitive, Tracer, get_axis_env, pvary
 from jax._src.lax.parallel import all_gather_start
 
@@ -95,6 +104,65 @@ def pallas_tpu_interpret_mode() -> bool:
   return _config.pallas_tpu_interpret_mode_context_manager.value is not None
 
 
+# The modules whose io_callbacks ``interpreter_callbacks_on_host_arrays`` hands host arrays:
+# jax's TPU interpreter (its DMAs, loads, stores, semaphores and device threads) and the
+# package's split-call extension of it.
+INTERPRETER_MODULES = (
+  "jax._src.pallas.mosaic.interpret",
+  "torus_collectives.testing.split_interpret",
+)
+_host_arrays_lock = threading.Lock()
+_host_arrays_depth = 0
+_placing_io_callback_impl = _callback.io_callback_impl
+
+
+def _defining_module(flat_callback) -> str:
+  fn = getattr(flat_callback, "callback_func", None)
+  while isinstance(fn, functools.partial):
+    fn = fn.func
+  return getattr(fn, "__module__", None) or ""
+
+
+def _io_callback_impl(*args, callback, **params):
+  """jax's ``io_callback_impl`` without its ``device_put`` of the operands, for the
+  interpreter's callbacks; any other callback goes through jax's own."""
+  if not _defining_module(callback).startswith(INTERPRETER_MODULES):
+    return _placing_io_callback_impl(*args, callback=callback, **params)
+  cpu_device, *_ = xla_bridge.local_devices(backend="cpu")
+  with (
+    _config.default_device(cpu_device),
+    _sharding_impls._internal_use_concrete_mesh(_mesh.empty_concrete_mesh),
+    _mesh.use_abstract_mesh(_mesh.empty_abstract_mesh),
+  ):
+    return tree_util.tree_map(np.asarray, callback(*args))
+
+
+@contextlib.contextmanager
+def interpreter_callbacks_on_host_arrays():
+  """Inside the block, the io_callbacks of the functions of ``INTERPRETER_MODULES``
+  receive the host numpy arrays XLA passes a callback, where jax would first place each
+  operand on the CPU device as a jax Array (one ``device_put`` an operand).
+
+  TPU interpret mode makes one callback for every load, store, DMA and semaphore operation
+  of a kernel, and reads its scalar operands (device ids, buffer ids, indices) back with
+  ``int()``: the placements and the reads back are most of its time. Its callbacks take
+  either kind of array, and copy (``np.array``) whatever they keep past the call, as a
+  callback must, since the host arrays are XLA's buffers; so the values computed are the
+  same. Other io_callbacks, a user's own, are untouched. Blocks nest, and may be entered
+  from several threads."""
+  global _host_arrays_depth
+  with _host_arrays_lock:
+    _host_arrays_depth += 1
+    _callback.io_callback_impl = _io_callback_impl
+  try:
+    yield
+  finally:
+    with _host_arrays_lock:
+      _host_arrays_depth -= 1
+      if _host_arrays_depth == 0:
+        _callback.io_callback_impl = _placing_io_callback_impl
+
+
 __all__ = [
   "Jaxpr",
   "Literal",
@@ -108,6 +176,7 @@ __all__ = [
   "coordination_client",
   "equation_context",
   "get_axis_env",
+  "interpreter_callbacks_on_host_arrays",
   "pallas_tpu_interpret_mode",
   "production_order",
   "pvary",

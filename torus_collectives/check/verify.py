@@ -39,6 +39,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
+from torus_collectives import _jax_internals as jax_internals
 from torus_collectives import quantization, registry
 from torus_collectives.check.cases import AXIS_NAMES, Case
 from torus_collectives.topology import make_torus_mesh
@@ -64,7 +65,10 @@ def interpret_mode():
     dma_execution_mode="on_wait", detect_races=True, uninitialized_memory="nan"
   )
   try:
-    with pltpu.force_tpu_interpret_mode(params):
+    with (
+      pltpu.force_tpu_interpret_mode(params),
+      jax_internals.interpreter_callbacks_on_host_arrays(),
+    ):
       yield
     races = interpret_pallas_call.races
     if races is not None and races.races_found:

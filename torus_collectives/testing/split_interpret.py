@@ -109,6 +109,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from torus_collectives import _jax_internals as jax_internals
+
 SUPPORTED_JAX_VERSION = "0.12.0.1"
 
 # The interpreter internals this extension replaces for the duration of a block, by
@@ -682,7 +684,7 @@ class _SplitCall:
       memory.check_failed()  # a failed computation starts no more calls
     _session().plans[int(device_id)] = _Plan(
       name=self.name,
-      semaphores=[("bind", np.asarray(ids)) for ids in sem_ids]
+      semaphores=[("bind", np.array(ids)) for ids in sem_ids]
       + [("fresh", j) for j in self.sem_out],
       num_inputs=self.num_inputs,
     )
@@ -931,7 +933,10 @@ def async_interpret_mode(
   shared_memory.Semaphore.wait = _wrapped_wait(original_wait)
   watchdog.start()
   try:
-    with pltpu.force_tpu_interpret_mode(params):
+    with (
+      pltpu.force_tpu_interpret_mode(params),
+      jax_internals.interpreter_callbacks_on_host_arrays(),
+    ):
       try:
         yield session
         jax.effects_barrier()  # everything dispatched has run (or raises its failure)
