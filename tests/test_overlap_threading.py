@@ -110,6 +110,7 @@ def _inputs():
   return x, _params()
 
 
+@pytest.mark.slow
 @pytest.mark.interpret
 @pytest.mark.parametrize(
   "mode, mean", [("eager", False), ("on_wait", True)], ids=["eager-sum", "on_wait-mean"]
@@ -191,6 +192,7 @@ def test_the_last_bucket_is_cut_at_the_last_matmul():
   assert plan.cut_last_bucket([3, 4], {3: 1, 4: 7}, 8) == [[3, 4]]
 
 
+@pytest.mark.slow
 @pytest.mark.interpret
 @pytest.mark.parametrize(
   "mode, mean", [("eager", False), ("on_wait", True)], ids=["eager", "on_wait"]

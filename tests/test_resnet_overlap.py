@@ -1,12 +1,12 @@
 """The ResNet example's ``config.grad_overlap``: the train step's gradient mean summed during
 the backward pass (``tc.experimental.value_and_summed_grad``).
 
-Two train steps of a tiny ResNet on a 2x4 mesh with small buckets (several in flight):
-with the split Pallas kernels, in TPU interpret mode through the split-call extension
-(race detector on), the weights, batch statistics and metrics equal those of the plain
-step (``value_and_grad``, then ``all_reduce_gradients``) within float32 rounding (the two
-sum in different orders); with "xla", bitwise. Validation refuses what the threading
-cannot do.
+A tiny ResNet on a 2x4 mesh with small buckets (several in flight): one train step with
+the split Pallas kernels, in TPU interpret mode through the split-call extension (race
+detector on), gives the weights, batch statistics and metrics of the plain step
+(``value_and_grad``, then ``all_reduce_gradients``) within float32 rounding (the two sum
+in different orders); two steps with "xla", bitwise, so the threaded step's state carries
+into the next. Validation refuses what the threading cannot do.
 """
 
 import jax
@@ -25,8 +25,8 @@ from torus_collectives.testing.split_interpret import async_interpret_mode
 BUCKET_BYTES = 320 * 1024  # two buckets of the tiny ResNet's 0.5 MB gradient
 
 
-def _two_steps(implementation: str, overlap: bool):
-  """Two train steps (the state's parameters returned as stored)."""
+def _steps(implementation: str, overlap: bool, steps: int = 2):
+  """``steps`` train steps (the state's parameters returned as stored)."""
   mesh = tc.make_torus_mesh((2, 4))
   axes = mesh.axis_names
   model = models.create_model("resnet_tiny", num_classes=10, dtype=jnp.float32, axis_name=axes)
@@ -69,7 +69,7 @@ def _two_steps(implementation: str, overlap: bool):
     )
   )
   metrics = []
-  for _ in range(2):
+  for _ in range(steps):
     state, m = step(state, batch)
     metrics.append(m)
   return jax.device_get((sync.layout.to_stored(state), metrics))
@@ -88,14 +88,14 @@ def _compare(ours, reference, **tolerance):
 @pytest.mark.timeout(600, method="thread")
 def test_threaded_pallas_step_matches_the_plain_step():
   with async_interpret_mode("on_wait", deadlock_timeout_s=120.0):
-    threaded = _two_steps("pallas", overlap=True)
-  plain = _two_steps("xla", overlap=False)
+    threaded = _steps("pallas", overlap=True, steps=1)
+  plain = _steps("xla", overlap=False, steps=1)
   _compare(threaded, plain, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
 def test_threading_on_xla_is_the_plain_step_bitwise():
-  _compare(_two_steps("xla", overlap=True), _two_steps("xla", overlap=False))
+  _compare(_steps("xla", overlap=True), _steps("xla", overlap=False))
 
 
 @pytest.mark.parametrize(
