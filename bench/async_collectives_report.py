@@ -45,6 +45,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import torus_collectives as tc
 from torus_collectives import xla_settings
 from torus_collectives.testing.hlo_schedule import entry_ops
 
@@ -58,6 +59,8 @@ ROWS = {
   "psum_start, whole step under program_order": ("psum_start", True, False),
   "lax.psum_scatter per gradient": ("psum_scatter", False, False),
   "psum_scatter_start per gradient": ("psum_scatter_start", False, False),
+  "psum_scatter_start per gradient, package XLA settings": ("psum_scatter_start", False, True),
+  "ring of ppermutes per gradient (shard_map backend)": ("psum_scatter_ring", False, False),
   "psum_scatter_start, whole step under program_order": ("psum_scatter_start", True, False),
 }
 PROBE_TOPOLOGIES = ("v5e:4x4", "v6e:2x2", "v5p:2x2x1", "v4:2x2x1")
@@ -94,6 +97,10 @@ def _sum(gradient, form: str, axis: str):
     return lax.psum_scatter_start(gradient, axis, scatter_dimension=0, tiled=True)
   if form == "psum_scatter":
     return lax.psum_scatter(gradient, axis, scatter_dimension=0, tiled=True)
+  if form == "psum_scatter_ring":  # every ring step a lax.ppermute, which XLA runs async
+    return tc.psum_scatter(
+      gradient, axis, scatter_dimension=0, tiled=True, implementation="shard_map"
+    )
   return gradient
 
 
