@@ -13,11 +13,14 @@ Dead peers. In a multi-process run each process bumps its own counter in the coo
 service's key-value store every second. A peer whose counter has not moved for ``timeout``
 seconds is reported by its process id, with the step a rerun resumes from, and this process
 exits with status 1: the training loop is likely blocked in a collective with it forever.
-Set ``timeout`` below the coordination service's heartbeat timeout, or the runtime aborts
-the process first without naming anyone. The one case left to the runtime is the loss of
-process 0: the coordination service lives there, and the other processes abort within a
-second with "Terminating process because the JAX distributed service detected fatal
-errors". A peer that finished normally (``close(finished=True)``) is not reported.
+``peer_timeout`` gives the ``timeout`` for a coordination service's heartbeat timeout: a
+quarter of it. The service has declared a killed process dead as soon as half its
+heartbeat timeout after the kill, and then the runtime aborts this process first without
+naming anyone; at a quarter the watchdog acts well before that. The one case left to the
+runtime is the loss of process 0: the coordination service lives there, and the other
+processes abort within a second with "Terminating process because the JAX distributed
+service detected fatal errors". A peer that finished normally (``close(finished=True)``)
+is not reported.
 
 Both report with ``os._exit``: the main thread may be blocked in a collective that
 never returns, so neither an exception nor a clean shutdown can reach it.
@@ -99,6 +102,12 @@ class StopRequest:
     for s, handler in self._previous.items():
       if signal.getsignal(s) == self._handle:
         signal.signal(s, handler)
+
+
+def peer_timeout(heartbeat_timeout_seconds: float) -> float:
+  """Seconds of silence after which ``PeerWatchdog`` names a peer, for the coordination
+  service's ``heartbeat_timeout_seconds``: a quarter of it (module docstring)."""
+  return heartbeat_timeout_seconds / 4
 
 
 class PeerWatchdog:

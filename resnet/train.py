@@ -22,7 +22,7 @@ there.
 Around it: the config validated before anything is built; orbax checkpoints every N
 steps with content digests, and a resume from the newest one that verifies (see
 ``checkpoints``); SIGTERM/SIGINT on any process makes every process save the same step and
-exit, and a silent peer is named within half the heartbeat timeout (see ``faults``); a
+exit, and a silent peer is named within a quarter of the heartbeat timeout (see ``faults``); a
 stop without saving when the loss or gradient turns non-finite; periodic top-1/top-5
 evaluation; TensorBoard scalars and ``metrics.jsonl``, one row per step across resumes; a
 progress bar; and a PNG plot.
@@ -388,7 +388,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   store = checkpoints.VerifiedCheckpoints(workdir)
   # Both from the start: a signal or a dead peer during setup or compilation counts too.
   stop = faults.StopRequest(config.stop_timeout_seconds, store.describe_latest)
-  watchdog = faults.PeerWatchdog(config.heartbeat_timeout_seconds / 2, store.describe_latest)
+  watchdog = faults.PeerWatchdog(
+    faults.peer_timeout(config.heartbeat_timeout_seconds), store.describe_latest
+  )
   finished = False
   try:
     summary = _train_and_evaluate(config, workdir, store, stop)

@@ -135,7 +135,6 @@ def _kernel_buffer_bytes(collective: str, n: int, p: int) -> int:
   return 4 * p * (-(-m // word) * word)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
   "collective,shape,n,mode",
   TORUS_CASES,
@@ -324,7 +323,6 @@ QUANTIZED_CASES = [
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
   "collective,shape,n,piece_rows,mode,dtype",
   QUANTIZED_CASES,

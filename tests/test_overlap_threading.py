@@ -110,7 +110,6 @@ def _inputs():
   return x, _params()
 
 
-@pytest.mark.slow
 @pytest.mark.interpret
 @pytest.mark.parametrize(
   "mode, mean", [("eager", False), ("on_wait", True)], ids=["eager-sum", "on_wait-mean"]
@@ -192,7 +191,6 @@ def test_the_last_bucket_is_cut_at_the_last_matmul():
   assert plan.cut_last_bucket([3, 4], {3: 1, 4: 7}, 8) == [[3, 4]]
 
 
-@pytest.mark.slow
 @pytest.mark.interpret
 @pytest.mark.parametrize(
   "mode, mean", [("eager", False), ("on_wait", True)], ids=["eager", "on_wait"]

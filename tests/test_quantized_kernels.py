@@ -190,7 +190,6 @@ CASES = [
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.interpret
 @pytest.mark.parametrize(
   "collective,shape,n,piece_rows,mode",
@@ -334,7 +333,6 @@ def test_compiled_bytes_against_the_bfloat16_kernel_on_v5e_4x4():
   assert 0.5 < declared.remote_bytes_transferred / bf16_wire < 0.53
 
 
-@pytest.mark.slow
 @pytest.mark.aot
 @pytest.mark.parametrize(
   "topology,dtype,bound",

@@ -97,7 +97,6 @@ SPLIT_CASES = [  # every mesh once; both DMA modes and both dtypes among them
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.interpret
 @pytest.mark.parametrize("mode, case, dtype", SPLIT_CASES, ids=["-".join(c) for c in SPLIT_CASES])
 def test_split_torus_variant_matches_lax(mode, case, dtype):
@@ -216,7 +215,6 @@ def test_padded_elements_and_refusals():
     done.advance()
 
 
-@pytest.mark.slow
 @pytest.mark.interpret
 @pytest.mark.timeout(900, method="thread")
 def test_split_collectives_on_4x4_in_a_subprocess():

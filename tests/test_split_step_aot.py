@@ -54,7 +54,6 @@ def _loss(params, x):
   return jnp.mean(h**2)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("generation", list(TOPOLOGIES))
 def test_every_bucket_but_the_last_overlaps_a_backward_convolution(generation):
   pytest.importorskip("libtpu", reason=aot_skip.REASON)
@@ -98,7 +97,6 @@ def test_every_bucket_but_the_last_overlaps_a_backward_convolution(generation):
 RESNET_BUCKET_BYTES = 160 * 1024
 
 
-@pytest.mark.slow
 def test_resnet_threaded_step_keeps_every_bucket_on_compute():
   """The ResNet example's train step with ``config.grad_overlap`` (the update threaded
   too), for v5e, with the tiny ResNet (64x64 images, 2 a replica): every bucket
