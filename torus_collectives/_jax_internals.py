@@ -145,7 +145,8 @@ def interpreter_callbacks_on_host_arrays():
 
   TPU interpret mode makes one callback for every load, store, DMA and semaphore operation
   of a kernel, and reads its scalar operands (device ids, buffer ids, indices) back with
-  ``int()``: the placements and the reads back are most of its time. Its callbacks take
+  ``int()``: the placements and the reads back took most of the time of the
+  interpret-mode tests profiled. Its callbacks take
   either kind of array, and copy (``np.array``) whatever they keep past the call, as a
   callback must, since the host arrays are XLA's buffers; so the values computed are the
   same. Other io_callbacks, a user's own, are untouched. Blocks nest, and may be entered
