@@ -285,6 +285,11 @@ def report(
         f"compute estimate / (FLOPs at peak): {timeline.compute_s / (flops / peak):.2f} "
         f"({flops / 1e9:.1f} GFLOP per device)"
       )
+    by_category = hlo_schedule.compute_by_category(compiled_text)
+    lines.append(
+      "compute by category (ms): "
+      + ", ".join(f"{name} {1e3 * c / clock_hz:.3f}" for name, c in by_category.items())
+    )
     lines.append(
       f"step estimate: {1e3 * timeline.step_s:.3f} ms (compute and exposed communication)"
     )

@@ -6,6 +6,8 @@
 * ``torus_kernels``: the blocking remote-DMA kernels that execute a torus ``Schedule``;
 * ``buffer_layout``: where their grid of chunks lies in a flat buffer, and the DMAs of
   its segments that exist;
+* ``leaf_kernels``: the same schedules run on a bucket's leaves where they lie (no
+  packing), each leaf cut along its rows as ``leaf_grid`` says;
 * ``quantized_kernels``: the block-scaled (int8) all-reduce, reduce-scatter and
   all-gather, requantizing at every hop;
 * ``split_rings``: the split ring calls (a start, per-hop steps and a done, each a

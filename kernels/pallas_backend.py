@@ -58,6 +58,7 @@ refused: libtpu cannot compile Pallas remote DMAs for them.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -69,6 +70,8 @@ from torus_collectives._vma import ensure_varying
 from torus_collectives.kernel_config import KernelConfig
 from torus_collectives.kernels import (
   buffer_layout,
+  leaf_grid,
+  leaf_kernels,
   quantized_kernels,
   split_collectives,
   torus_kernels,
@@ -309,3 +312,67 @@ def _padded_chunk(m: int, torus: Sequence[int], itemsize: int) -> int:
   ``torus`` takes: whole DMA words."""
   p = math.prod(torus)
   return split_collectives.padded_elements(p * m, torus, itemsize) // p
+
+
+def _as_leaf(x: jax.Array, rows: int) -> jax.Array:
+  """``x`` flattened, zero-padded and viewed as ``[rows, 128]`` (a leaf the leaf kernels
+  take)."""
+  return pad_to(x.reshape(-1), rows * LANES).reshape(rows, LANES)
+
+
+def all_reduce_leaves(
+  leaves: Sequence[jax.Array], axes: Sequence[str], torus: Sequence[int]
+) -> list[jax.Array]:
+  """Arrays of one dtype -> each one's sum over the torus (``lax.psum(leaf, axes)``), with
+  no copy around the leaves the leaf kernels take where they lie.
+
+  Every leaf with two or more dimensions whose second-minor one is a whole number of
+  tiles goes to ``leaf_kernels`` in its own shape (or with its two minor dimensions
+  swapped, where XLA lays it out minor dimension first: ``leaf_grid.kernel_view``), so the
+  swap is a bitcast and no XLA op packs, reshapes or copies it. The others (vectors, a
+  stem convolution's kernel) are packed, zero-padded, into one more leaf of ``[rows,
+  128]``. One reduce-scatter and one all-gather call of
+  ``schedule.default_variant(torus)`` take them all, aliased. 16-bit floats travel in
+  their own type and every hop adds in float32, as ``all_reduce`` does.
+  """
+  leaves = list(leaves)
+  torus = tuple(int(n) for n in torus)
+  if not leaves or math.prod(torus) == 1:
+    return leaves
+  dtypes = sorted({str(leaf.dtype) for leaf in leaves})
+  if len(dtypes) != 1:
+    raise ValueError(f"the leaves of one call share a dtype, got {dtypes}")
+  itemsize = leaves[0].dtype.itemsize
+  if itemsize not in (2, 4):
+    raise ValueError(f"the leaf kernels sum 16- and 32-bit types, got {dtypes[0]}")
+  views = [leaf_grid.kernel_view(leaf.shape, itemsize) for leaf in leaves]
+  swap = lambda x: jnp.swapaxes(x, -1, -2)
+  kernel_leaves = [swap(x) if v == "transposed" else x for x, v in zip(leaves, views) if v]
+  packed = [i for i, view in enumerate(views) if view is None]
+  unit = leaf_grid.unit_rows(itemsize)
+  if packed:
+    flat = jnp.concatenate([leaves[i].reshape(-1) for i in packed])
+    kernel_leaves.append(_as_leaf(flat, ceil_div(flat.size, unit * LANES) * unit))
+  mesh_axes, _ = mesh_target()
+  variant = schedule_lib.default_variant(torus)
+  shapes = tuple(tuple(x.shape) for x in kernel_leaves)
+  rs, ag = (
+    leaf_grid.LeafGrid(shapes, itemsize, schedule_lib.build(kind, torus, variant))
+    for kind in ("reduce_scatter", "all_gather")
+  )
+  summed = [ensure_varying(x, axes) for x in kernel_leaves]
+  summed = leaf_kernels.reduce_scatter_call(summed, rs, axes, mesh_axes)
+  summed = leaf_kernels.all_gather_call(summed, ag, axes, mesh_axes)
+  out, sums = [], iter(summed)
+  for view in views:
+    if view is not None:
+      total = next(sums)
+      out.append(swap(total) if view == "transposed" else total)
+    else:
+      out.append(None)
+  if packed:
+    flat = next(sums).reshape(-1)
+    ends = itertools.accumulate(leaves[i].size for i in packed)
+    for i, end in zip(packed, ends):
+      out[i] = flat[end - leaves[i].size : end].reshape(leaves[i].shape)
+  return out

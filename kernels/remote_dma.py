@@ -1,10 +1,10 @@
 """The remote-DMA protocol that every torus kernel family shares.
 
-The blocking kernels (``torus_kernels``), the split ring calls (``split_rings``) and the
-block-scaled kernels (``quantized_kernels``) all run inside a ``shard_map`` that binds every
-axis of its mesh, address their neighbours by mesh coordinates, meet at an entry barrier
-before the first DMA, and stay within one semaphore budget. This module holds those parts,
-so that each family states only its own algorithm:
+The blocking kernels (``torus_kernels``), the leaf kernels (``leaf_kernels``), the split
+ring calls (``split_rings``) and the block-scaled kernels (``quantized_kernels``) all run
+inside a ``shard_map`` that binds every axis of its mesh, address their neighbours by mesh
+coordinates, meet at an entry barrier before the first DMA, and stay within one semaphore
+budget. This module holds those parts, so that each family states only its own algorithm:
 
 * where a kernel runs: ``mesh_target`` (the mesh axes and device kind of the ``shard_map``
   being traced, after checking that the kernels can run there);

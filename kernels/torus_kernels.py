@@ -134,6 +134,7 @@ from torus_collectives.kernels.remote_dma import (
 __all__ = [
   "ADD_BYTES",
   "add_in_vmem",
+  "add_rounded",
   "all_gather_call",
   "reduce_scatter_call",
 ]
@@ -141,15 +142,7 @@ __all__ = [
 _RECV_SLOTS = 2
 
 
-def _phase_index(schedule: schedule_lib.Schedule) -> list[list[int]]:
-  """``[stream][global step]`` -> index of the phase within its stream."""
-  out = []
-  for phases in schedule.streams:
-    out.append([i for i, p in enumerate(phases) for _ in range(schedule.torus[p.axis] - 1)])
-  return out
-
-
-def _add(a: jax.Array, b: jax.Array) -> jax.Array:
+def add_rounded(a: jax.Array, b: jax.Array) -> jax.Array:
   """``a + b`` in ``a``'s type; 16-bit floats add in float32 and round once."""
   if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4:
     return (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)
@@ -171,7 +164,7 @@ def add_in_vmem(own, received, length: int) -> None:
 
   def add(start, size):
     at = pl.ds(start, size)
-    own[at] = _add(own[at], received[at])
+    own[at] = add_rounded(own[at], received[at])
 
   for_each(
     whole,
@@ -329,7 +322,7 @@ class _ReduceScatter:
     self.x_ref, self.acc_ref, self.own_ref, self.recv_slots, self.tail_slots = refs
     self.scratch = scratch
     self.steps = schedule.steps()
-    self.phase_of = _phase_index(schedule)
+    self.phase_of = schedule.phase_of_steps()
     self.tail_at = _tail_stream_piece(layout, slab_pieces)
     self.block = min(layout.piece_elements, layout.slice_elements)
     self.slot_sizes = [
@@ -544,7 +537,7 @@ def _add_tail(layout: Layout, own_ref, slot_ref, acc_ref, own_vmem, in_vmem, sem
       pltpu.make_async_copy(slot_ref, in_vmem, sems.at[1, 0]),
     ]
   )
-  own_vmem[...] = _add(own_vmem[...], in_vmem[...])
+  own_vmem[...] = add_rounded(own_vmem[...], in_vmem[...])
   copy_and_wait([pltpu.make_async_copy(own_vmem, acc_ref.at[tail], sems.at[2, 0])])
 
 

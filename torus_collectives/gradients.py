@@ -12,8 +12,12 @@ block-scaled one (``jnp.int8``, fp8, ``tc.BlockScaled``, per axis) they travel a
 fp8 blocks with a scale each, requantized at every hop (``torus_collectives.quantization``:
 the format, the error bound), optionally with error feedback (``residual=``).
 
-The torus implementations pack each bucket into one flat buffer (the layout of
-``packing``) and reduce it with one collective. When the implementation is XLA (what
+"pallas" takes a bucket's leaves where they lie: the leaves of two or more dimensions
+whose second-minor one is a whole number of tiles go to its leaf kernels in their own
+shapes and come back summed in place; only the rest (vectors, odd shapes) is packed, into
+one more small leaf (the backend's ``all_reduce_leaves``). The other
+torus implementations pack each bucket into one flat buffer (the layout of ``packing``)
+and reduce it with one collective. When the implementation is XLA (what
 "auto" picks unless the tuner measured otherwise for this tree's size, as op
 ``all_reduce_gradients``: the one rule, ``registry.resolve``), each bucket's leaves go to
 one variadic ``lax.psum`` / ``lax.pmean``, with no concatenate or slice copies, and equal
@@ -142,6 +146,22 @@ def _on_lax(leaves, wire, buckets, axis_name, mean, scale, transport_dtype) -> l
   return out
 
 
+def _leaves_backend(implementation: str):
+  """The backend's sum of a bucket's leaves where they lie, or None where it has none."""
+  return registry.collective_backend(implementation).all_reduce_leaves
+
+
+def _where_they_lie(all_reduce_leaves, wire, buckets, names, torus) -> list[jax.Array]:
+  """One call per bucket on its leaves as they are: no concatenation packs them and no
+  slice unpacks the sums (the backend packs only leaves its kernels cannot take)."""
+  out: list[jax.Array | None] = [None] * len(wire)
+  for bucket in buckets:
+    sums = all_reduce_leaves([ensure_varying(wire[i], names) for i in bucket], names, torus)
+    for i, total in zip(bucket, sums):
+      out[i] = mark_invariant(total, names)
+  return out
+
+
 def all_reduce_gradients(
   tree: Any,
   axis_name: AxisName,
@@ -240,6 +260,11 @@ def all_reduce_gradients(
     new_residual = None
     if registry.runs_lax(implementation):
       out = _on_lax(leaves, wire, buckets, axis_name, mean, scale, cast)
+    elif transport is None and _leaves_backend(implementation) is not None:
+      summed = _where_they_lie(_leaves_backend(implementation), wire, buckets, names, torus)
+      out = [
+        (part.astype(jnp.float32) * scale).astype(leaf.dtype) for part, leaf in zip(summed, leaves)
+      ]
     else:
       if transport is None:
         collective = lambda flat: all_reduce(flat, names, implementation=implementation)

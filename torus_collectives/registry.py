@@ -107,6 +107,10 @@ class CollectiveBackend:
   # each padded after its ``m``), verified by ``python -m torus_collectives.check``.
   split_reduce_scatter: Callable[..., Any] | None = None
   split_all_gather: Callable[..., Any] | None = None
+  # ``(leaves, axes, torus) ->`` each leaf's sum, for arrays of one dtype and any shapes,
+  # taking them where they lie rather than packed into one buffer (the gradient
+  # summation's buckets); None where the backend has none.
+  all_reduce_leaves: Callable[..., list] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +195,7 @@ def _load_pallas() -> CollectiveBackend:
     split_all_reduce=impl.split_all_reduce,
     split_reduce_scatter=impl.split_reduce_scatter,
     split_all_gather=impl.split_all_gather,
+    all_reduce_leaves=impl.all_reduce_leaves,
   )
 
 

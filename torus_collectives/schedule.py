@@ -153,6 +153,13 @@ class Schedule:
     per_stream = [self.stream_transfers(k) for k in range(self.num_streams)]
     return [tuple(t) for t in zip(*per_stream)]
 
+  def phase_of_steps(self) -> list[list[int]]:
+    """``[stream][global step]`` -> index of that step's phase within its stream."""
+    return [
+      [i for i, p in enumerate(phases) for _ in range(self.torus[p.axis] - 1)]
+      for phases in self.streams
+    ]
+
   def bytes_sent_per_device(self, nbytes: int) -> float:
     """Bytes one device sends for a buffer of ``nbytes`` (the full, unscattered size)."""
     chunk = nbytes / self.num_devices / self.num_streams

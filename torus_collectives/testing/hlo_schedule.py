@@ -253,6 +253,43 @@ def entry_ops(hlo_text: str) -> list[Op]:
   return ops
 
 
+# What a fused computation's body holds, heaviest first: its category is the first found.
+_CATEGORIES = (
+  ("convolution", re.compile(r" convolution\(")),
+  ("reduction", re.compile(r" reduce(-window)?\(")),
+  ("concatenate", re.compile(r" concatenate\(")),
+  ("dynamic-update-slice", re.compile(r" dynamic-update-slice\(")),
+  ("slice", re.compile(r" (dynamic-)?slice\(")),
+  ("pad", re.compile(r" pad\(")),
+)
+_MOVES = re.compile(r" (copy|transpose)\(")
+
+
+def category(op: Op, bodies: dict[str, str]) -> str:
+  """What kind of compute ``op`` is: a fusion by the heaviest op in its body (a
+  convolution, a reduction, a concatenate, an update or a slice, a pad, a copy or
+  transpose), ``elementwise`` otherwise; any other op by its opcode."""
+  if op.opcode != "fusion":
+    return op.opcode
+  body = bodies.get(op.calls, "")
+  for name, pattern in _CATEGORIES:
+    if pattern.search(body):
+      return name
+  return "copy" if _MOVES.search(body) else "elementwise"
+
+
+def compute_by_category(hlo_text: str) -> dict[str, int]:
+  """The ENTRY computation's estimated compute cycles, summed by ``category``, largest
+  first: the ops the timeline counts as compute (collectives and Pallas calls excluded)."""
+  bodies = computations(hlo_text)
+  totals: dict[str, int] = {}
+  for op in entry_ops(hlo_text):
+    if op.kind == "compute" and op.cycles:
+      key = category(op, bodies)
+      totals[key] = totals.get(key, 0) + op.cycles
+  return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
 @dataclasses.dataclass(frozen=True)
 class CollectiveRow:
   """One collective on the timeline."""

@@ -1,0 +1,348 @@
+"""Pallas TPU kernels that run a torus ``Schedule`` on a bucket's leaves where they lie.
+
+``reduce_scatter_call`` and ``all_gather_call`` take the leaves of a bucket as separate
+HBM refs in their own shapes (``leaf_grid``: each leaf cut along its second-minor
+dimension, its "rows", in tiles, hierarchically in the order a stream visits the axes)
+and return them, aliased: the reduce-scatter sums each
+device's own parts in place, and the all-gather, given those leaves, copies every part
+into place on every device, so the all-reduce is the two calls with nothing between
+them or around them. No concatenation packs the leaves into one buffer and no slice
+unpacks the sums (what the flat kernels of ``torus_kernels`` cost their callers: every
+byte read and written twice more, at HBM speed).
+
+One transfer of the schedule moves, for each leaf, one window ``leaf[..., a:b, :]`` of
+its rows (the part of the slab the device sends, ``leaf_grid.piece``): one DMA per leaf,
+of one of two static shapes, under a ``pl.when`` on the traced size. Both ends compute
+the same window from the slab index and the coordinates they share.
+
+* reduce-scatter: each leaf's range goes to the neighbour's receive slot for that leaf
+  (an HBM output per leaf, a region per stream and slot, double-buffered); the receiver
+  waits for every leaf's DMA of the transfer, then adds each slot into the leaf's rows of
+  the slab it received, a block of rows at a time through VMEM (16-bit floats add in
+  float32 and round once), and stores the sums in place. The slab it sends in the next
+  step is the one it just summed.
+* all-gather: each leaf's range goes straight to the same rows of the neighbour's leaf.
+  Every range is written once, by the device upstream, after its owner has read it for
+  the last time.
+
+Synchronisation is the flat kernels' (``torus_kernels``): an entry barrier per call
+(``remote_dma.Topology.barrier``); one DMA semaphore pair per (stream, slot) for the
+reduce-scatter and per (stream, step) for the all-gather, counting the bytes of every
+leaf's DMA (the receiver waits, with the sender's shapes, for all of them before it reads
+any); and the reduce-scatter's capacity handshake per (stream, phase, slot), so a sender
+fills a slot only after the receiver has added what it held two steps before.
+
+Costs: like the flat kernels, per element sent one HBM read and one write for the DMA,
+and for a reduction two reads into VMEM, a write of the sum and an add
+(``_cost``). Not pipelined within a step: a receiver adds only once all of a transfer has
+landed, so the link idles while it adds (the flat kernels add piece by piece).
+
+Assumptions: the leaves of one call share a dtype (16- or 32-bit); their rows are whole
+tiles (``leaf_grid.LeafGrid``); the kernels run inside a ``shard_map`` that binds every
+mesh axis. Verified in TPU interpret mode; nothing here has run on a TPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from torus_collectives import schedule as schedule_lib
+from torus_collectives.kernels.buffer_layout import for_each
+from torus_collectives.kernels.leaf_grid import LeafGrid, piece
+from torus_collectives.kernels.remote_dma import (
+  Topology,
+  collective_id,
+  copy_and_wait,
+  hbm_like,
+  mesh_coordinates,
+)
+from torus_collectives.kernels.torus_kernels import add_rounded
+
+__all__ = ["all_gather_call", "reduce_scatter_call"]
+
+_RECV_SLOTS = 2
+# Bytes of one VMEM block of rows added at a time (per operand).
+_ADD_BLOCK_BYTES = 64 * 1024
+
+
+class _Ranges:
+  """The rows of each leaf that a transfer moves on this device: ``each(tr, slab, fn)``
+  calls ``fn(leaf, start_row, rows)`` with ``rows`` static, inside a ``pl.when`` on the
+  traced size, once per leaf whose range is not empty."""
+
+  def __init__(self, grid: LeafGrid, topo: Topology):
+    self.grid, self.topo = grid, topo
+
+  def each(self, tr: schedule_lib.Transfer, slab, fn) -> None:
+    grid, unit = self.grid, self.grid.unit
+    axis, stream = tr.phase.axis, tr.stream
+    for leaf in range(len(grid.shapes)):
+      offset, size = piece(grid.units(leaf), grid.path(leaf, stream, self.topo.coords, axis, slab))
+      for units in sorted(set(grid.bounds(leaf, stream, axis)) - {0}):
+        start = pl.multiple_of(offset * unit, unit)
+        pl.when(size == units)(functools.partial(fn, leaf, start, units * unit))
+
+
+def window(ref, start, rows: int):
+  """``ref[..., start : start + rows, :]``: rows of the second-minor dimension under
+  every leading index (``start`` a whole number of tiles)."""
+  return ref.at[(slice(None),) * (len(ref.shape) - 2) + (pl.ds(start, rows), slice(None))]
+
+
+def _frame(shape) -> tuple[tuple[int, ...], int]:
+  """A leaf's shape without its cut dimension: what its VMEM blocks share."""
+  return tuple(shape[:-2]), shape[-1]
+
+
+def _add_rows(own, received, vmem, sems) -> None:
+  """``own += received`` for HBM windows of equal shape, a block of rows at a time
+  through the VMEM pair ``vmem`` (16-bit floats add in float32, rounded once)."""
+  own_vmem, in_vmem = vmem
+  rows, block = own.shape[-2], own_vmem.shape[-2]
+  whole, rest = divmod(rows, block)
+
+  def add(start, size):
+    ov, iv = window(own_vmem, 0, size), window(in_vmem, 0, size)
+    copy_and_wait(
+      [
+        pltpu.make_async_copy(window(own, start, size), ov, sems.at[0]),
+        pltpu.make_async_copy(window(received, start, size), iv, sems.at[1]),
+      ]
+    )
+    ov[...] = add_rounded(ov[...], iv[...])
+    copy_and_wait([pltpu.make_async_copy(ov, window(own, start, size), sems.at[2])])
+
+  for_each(
+    whole,
+    lambda i: add(i * block if isinstance(i, int) else pl.multiple_of(i * block, block), block),
+  )
+  if rest:
+    add(whole * block, rest)
+
+
+def _block_rows(frame, itemsize: int, unit: int) -> int:
+  """Rows of a VMEM add block for leaves of ``frame`` (``_frame``): whole tiles, about
+  ``_ADD_BLOCK_BYTES`` (one tile at least)."""
+  lead, width = frame
+  row_bytes = math.prod(lead) * width * itemsize
+  return max(unit, _ADD_BLOCK_BYTES // row_bytes // unit * unit)
+
+
+class _ReduceScatter:
+  """One device's reduce-scatter inside the kernel: the addressing of its leaves and
+  receive slots, and the sections of the protocol (module doc) that
+  ``_reduce_scatter_kernel`` runs step by step."""
+
+  def __init__(self, grid: LeafGrid, topo: Topology, leaves, slots, sems, vmem_of):
+    self.grid, self.topo, self.leaves, self.slots = grid, topo, leaves, slots
+    self.send_sems, self.recv_sems, self.capacity, self.local_sems = sems
+    self.vmem_of = vmem_of
+    self.ranges = _Ranges(grid, topo)
+    self.steps = grid.schedule.steps()
+    self.phase_of = grid.schedule.phase_of_steps()
+
+  def slot_view(self, leaf: int, tr, t: int, rows: int):
+    """The first ``rows`` of leaf ``leaf``'s receive slot of ``tr``'s stream at step ``t``."""
+    slot = (tr.stream * _RECV_SLOTS + t % _RECV_SLOTS) * self.grid.slot_units(leaf)
+    return window(self.slots[leaf], slot * self.grid.unit, rows)
+
+  def dmas(self, tr, t: int, *, sending: bool, action) -> None:
+    """``action`` on each leaf's DMA of the slab this device sends (or receives) in
+    ``tr`` at step ``t``: the same descriptors on both ends."""
+    slab = self.topo.slab(tr.phase, tr.step, sending=sending)
+    sems = (
+      self.send_sems.at[tr.stream, t % _RECV_SLOTS],
+      self.recv_sems.at[tr.stream, t % _RECV_SLOTS],
+    )
+
+    def run(leaf, start, rows):
+      src, dst = window(self.leaves[leaf], start, rows), self.slot_view(leaf, tr, t, rows)
+      action(self.topo.remote_copy(src, dst, *sems, tr.phase.axis, tr.phase.direction))
+
+    self.ranges.each(tr, slab, run)
+
+  def send(self, tr, t: int) -> None:
+    """Starts step ``t``'s sends, after the capacity wait where the downstream slot still
+    holds step ``t - 2`` until freed."""
+    if t >= _RECV_SLOTS:
+      phase = self.phase_of[tr.stream][t]
+      pl.semaphore_wait(self.capacity.at[tr.stream, phase, t % _RECV_SLOTS], 1)
+    self.dmas(tr, t, sending=True, action=lambda c: c.start())
+
+  def reduce(self, tr, t: int) -> None:
+    """Waits for every leaf's DMA of the received slab, then adds each into place."""
+    self.dmas(tr, t, sending=False, action=lambda c: c.wait_recv())
+
+    def add(leaf, start, rows):
+      own = window(self.leaves[leaf], start, rows)
+      vmem = self.vmem_of[_frame(self.grid.shapes[leaf])]
+      _add_rows(own, self.slot_view(leaf, tr, t, rows), vmem, self.local_sems)
+
+    self.ranges.each(tr, self.topo.slab(tr.phase, tr.step, sending=False), add)
+
+  def free_slot(self, tr, t: int) -> None:
+    """Signals the capacity of step ``t``'s slot to whoever fills it next (step
+    ``t + 2``'s upstream neighbour), once its sums are stored."""
+    if t + _RECV_SLOTS < len(self.steps):
+      later = self.steps[t + _RECV_SLOTS][tr.stream].phase
+      phase = self.phase_of[tr.stream][t + _RECV_SLOTS]
+      pl.semaphore_signal(
+        self.capacity.at[tr.stream, phase, t % _RECV_SLOTS],
+        1,
+        device_id=self.topo.neighbour(later.axis, -later.direction),
+      )
+
+
+def _reduce_scatter_kernel(coords_ref, *refs, grid: LeafGrid, axes, mesh_axes, frames: tuple):
+  """The reduce-scatter (module doc). ``refs``: the inputs (aliased, unused), the leaves,
+  their receive slots, then the scratch: send and receive semaphores per (stream, slot),
+  the capacity semaphores per (stream, phase, slot), a VMEM pair per leaf frame, and the
+  VMEM copies' semaphores."""
+  n = len(grid.shapes)
+  send_sems, recv_sems, capacity, *vmem, local_sems = refs[3 * n :]
+  vmem_of = {f: (vmem[2 * i], vmem[2 * i + 1]) for i, f in enumerate(frames)}
+  topo = Topology(axes, grid.schedule.torus, mesh_axes, coords_ref)
+  rs = _ReduceScatter(
+    grid,
+    topo,
+    refs[n : 2 * n],
+    refs[2 * n : 3 * n],
+    (send_sems, recv_sems, capacity, local_sems),
+    vmem_of,
+  )
+  with jax.named_scope("barrier"):
+    topo.barrier(grid.schedule)
+  for t, transfers in enumerate(rs.steps):
+    with jax.named_scope(f"send_step{t}"):
+      for tr in transfers:
+        rs.send(tr, t)
+    with jax.named_scope(f"reduce_step{t}"):
+      for tr in transfers:
+        rs.reduce(tr, t)
+        rs.free_slot(tr, t)
+      for tr in transfers:
+        rs.dmas(tr, t, sending=True, action=lambda c: c.wait_send())
+
+
+def _all_gather_kernel(coords_ref, *refs, grid: LeafGrid, axes, mesh_axes):
+  """The all-gather (module doc). ``refs``: the inputs (aliased, unused), the leaves,
+  then the send and receive semaphores per (stream, step)."""
+  n = len(grid.shapes)
+  leaves = refs[n : 2 * n]
+  send_sems, recv_sems = refs[2 * n :]
+  schedule = grid.schedule
+  topo = Topology(axes, schedule.torus, mesh_axes, coords_ref)
+  ranges = _Ranges(grid, topo)
+
+  def dmas(tr, t, *, sending, action):
+    sems = (send_sems.at[tr.stream, t], recv_sems.at[tr.stream, t])
+
+    def run(leaf, start, rows):
+      view = window(leaves[leaf], start, rows)
+      action(topo.remote_copy(view, view, *sems, tr.phase.axis, tr.phase.direction))
+
+    ranges.each(tr, topo.slab(tr.phase, tr.step, sending=sending), run)
+
+  with jax.named_scope("barrier"):
+    topo.barrier(schedule)
+  for t, transfers in enumerate(schedule.steps()):
+    with jax.named_scope(f"gather_step{t}"):
+      for tr in transfers:
+        dmas(tr, t, sending=True, action=lambda c: c.start())
+      for tr in transfers:
+        dmas(tr, t, sending=False, action=lambda c: c.wait_recv())
+      for tr in transfers:
+        dmas(tr, t, sending=True, action=lambda c: c.wait_send())
+
+
+def _cost(grid: LeafGrid, *, reduce: bool) -> pl.CostEstimate:
+  """The call's cost for XLA's scheduler: per element a device sends, on average over the
+  devices, one HBM read and one write for the DMA, and for a reduction two reads into
+  VMEM, the write of the sum and one add (``torus_kernels._schedule_cost``'s count)."""
+  total = sum(grid.elements(leaf) for leaf in range(len(grid.shapes)))
+  sent = grid.schedule.bytes_sent_per_device(total)  # in elements: an itemsize of 1
+  return pl.CostEstimate(
+    flops=math.ceil(sent) if reduce else 0,
+    transcendentals=0,
+    bytes_accessed=math.ceil((5 if reduce else 2) * sent * grid.itemsize),
+    remote_bytes_transferred=math.ceil(sent * grid.itemsize),
+  )
+
+
+def _call(kernel, leaves, extra_outputs, scratch, grid, axes, mesh_axes, kind, reduce):
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  out_shape = [hbm_like(leaf, leaf.shape) for leaf in leaves] + list(extra_outputs)
+  outputs = pl.pallas_call(
+    functools.partial(kernel, grid=grid, axes=tuple(axes), mesh_axes=tuple(mesh_axes)),
+    out_shape=out_shape,
+    grid_spec=pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1,
+      in_specs=[any_spec] * len(leaves),
+      out_specs=[any_spec] * len(out_shape),
+      scratch_shapes=scratch,
+    ),
+    input_output_aliases={1 + i: i for i in range(len(leaves))},
+    cost_estimate=_cost(grid, reduce=reduce),
+    compiler_params=pltpu.CompilerParams(
+      collective_id=collective_id(kind, axes, grid.schedule), has_side_effects=True
+    ),
+    name=f"torus_{kind}_{'_'.join(axes)}",
+  )(mesh_coordinates(mesh_axes), *leaves)
+  return list(outputs[: len(leaves)])
+
+
+def reduce_scatter_call(
+  leaves: Sequence[jax.Array],
+  grid: LeafGrid,
+  axes: Sequence[str],
+  mesh_axes: Sequence[str],
+) -> list[jax.Array]:
+  """Runs the reduce-scatter ``grid.schedule`` over ``leaves`` in place: returns
+  them with this device's parts (``leaf_grid``) fully summed, the rest partial sums."""
+  schedule, unit = grid.schedule, grid.unit
+  streams = schedule.num_streams
+  phases = max(len(p) for p in schedule.streams)
+  slots = [
+    hbm_like(
+      leaf,
+      (*leaf.shape[:-2], streams * _RECV_SLOTS * max(grid.slot_units(i), 1) * unit, leaf.shape[-1]),
+    )
+    for i, leaf in enumerate(leaves)
+  ]
+  frames = tuple(dict.fromkeys(_frame(leaf.shape) for leaf in leaves))
+  dtype = leaves[0].dtype
+  vmem = []
+  for lead, width in frames:
+    rows = _block_rows((lead, width), grid.itemsize, unit)
+    vmem += [pltpu.VMEM((*lead, rows, width), dtype)] * 2
+  scratch = [
+    pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS)),
+    pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS)),
+    pltpu.SemaphoreType.REGULAR((streams, phases, _RECV_SLOTS)),
+    *vmem,
+    pltpu.SemaphoreType.DMA((3,)),
+  ]
+  kernel = functools.partial(_reduce_scatter_kernel, frames=frames)
+  return _call(kernel, leaves, slots, scratch, grid, axes, mesh_axes, "leaf_reduce_scatter", True)
+
+
+def all_gather_call(
+  leaves: Sequence[jax.Array],
+  grid: LeafGrid,
+  axes: Sequence[str],
+  mesh_axes: Sequence[str],
+) -> list[jax.Array]:
+  """Runs the all-gather ``grid.schedule`` over ``leaves`` in place: every
+  device's own parts (``leaf_grid``) are copied into place on every device."""
+  schedule = grid.schedule
+  shape = (schedule.num_streams, max(schedule.num_steps, 1))
+  scratch = [pltpu.SemaphoreType.DMA(shape), pltpu.SemaphoreType.DMA(shape)]
+  return _call(
+    _all_gather_kernel, leaves, [], scratch, grid, axes, mesh_axes, "leaf_all_gather", False
+  )
