@@ -239,7 +239,11 @@ def step_timeline(compiled_text: str, mesh, generation: str, clock_hz: float):
     if collective == "all_gather" and op.kind != "pallas":
       nbytes *= math.prod(torus)  # XLA's operand is one shard (a kernel's is the buffer)
     variant = "torus_split" if len(torus) > 1 else "bidirectional_ring"
-    return cost_model.predict(collective, torus, variant, nbytes, generation).time_s
+    # The leaf kernels add a slab only once all of it has landed: priced with its adds.
+    pieces = 1 if "leaf_reduce_scatter" in op.name else None
+    return cost_model.predict(
+      collective, torus, variant, nbytes, generation, reduce_pieces=pieces
+    ).time_s
 
   ops = hlo_schedule.entry_ops(compiled_text)
   counts = lambda op: is_data_parallel(op, tuple(sizes))

@@ -37,18 +37,25 @@ and for a reduction two reads into VMEM, a write of the sum and an add
 (``_cost``). Not pipelined within a step: a receiver adds only once all of a transfer has
 landed, so the link idles while it adds (the flat kernels add piece by piece).
 
-Assumptions: the leaves of one call share a dtype (16- or 32-bit); their rows are whole
-tiles (``leaf_grid.LeafGrid``); the kernels run inside a ``shard_map`` that binds every
-mesh axis. Verified in TPU interpret mode; nothing here has run on a TPU.
+Code: the steps of a phase differ only in the slab index, so each run of steps in which
+no stream changes phase is one loop over a traced step (``_each_step``): a kernel's code
+grows with the number of leaves and phases, not with the number of devices.
+
+Assumptions: the leaves of one call share a dtype (16- or 32-bit); their second-minor
+dimension is a whole number of tiles (``leaf_grid.LeafGrid``); the kernels run inside a
+``shard_map`` that binds every mesh axis. Verified in TPU interpret mode; nothing here has
+run on a TPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
 
 import jax
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -98,6 +105,41 @@ def window(ref, start, rows: int):
 def _frame(shape) -> tuple[tuple[int, ...], int]:
   """A leaf's shape without its cut dimension: what its VMEM blocks share."""
   return tuple(shape[:-2]), shape[-1]
+
+
+def _when(condition, body) -> None:
+  """``body()`` where ``condition`` holds: a Python bool decides now, a traced one at run
+  time."""
+  if isinstance(condition, bool):
+    if condition:
+      body()
+  else:
+    pl.when(condition)(body)
+
+
+def _each_step(schedule: schedule_lib.Schedule, body) -> None:
+  """``body(t, transfers, (t0, t1))`` for every global step ``t`` of ``schedule``, with the
+  step's transfers. Each run ``[t0, t1)`` of steps in which no stream changes phase is one
+  loop with a traced ``t`` (its transfers' ``step`` traced too), so a kernel's code grows
+  with the phases, not with the steps (15 per phase on a 16x16 torus)."""
+  steps, phase_of = schedule.steps(), schedule.phase_of_steps()
+  t0 = 0
+  while t0 < len(steps):
+    t1 = t0 + 1
+    while t1 < len(steps) and all(phases[t1] == phases[t0] for phases in phase_of):
+      t1 += 1
+    first, run = steps[t0], (t0, t1)
+    if t1 - t0 == 1:
+      body(t0, first, run)
+    else:
+
+      def loop_body(t, carry, first=first, run=run):
+        moved = tuple(dataclasses.replace(tr, step=tr.step + (t - run[0])) for tr in first)
+        body(t, moved, run)
+        return carry
+
+      lax.fori_loop(t0, t1, loop_body, 0)
+    t0 = t1
 
 
 def _add_rows(own, received, vmem, sems) -> None:
@@ -150,7 +192,10 @@ class _ReduceScatter:
   def slot_view(self, leaf: int, tr, t: int, rows: int):
     """The first ``rows`` of leaf ``leaf``'s receive slot of ``tr``'s stream at step ``t``."""
     slot = (tr.stream * _RECV_SLOTS + t % _RECV_SLOTS) * self.grid.slot_units(leaf)
-    return window(self.slots[leaf], slot * self.grid.unit, rows)
+    start = slot * self.grid.unit
+    if not isinstance(start, int):
+      start = pl.multiple_of(start, self.grid.unit)
+    return window(self.slots[leaf], start, rows)
 
   def dmas(self, tr, t: int, *, sending: bool, action) -> None:
     """``action`` on each leaf's DMA of the slab this device sends (or receives) in
@@ -167,15 +212,15 @@ class _ReduceScatter:
 
     self.ranges.each(tr, slab, run)
 
-  def send(self, tr, t: int) -> None:
-    """Starts step ``t``'s sends, after the capacity wait where the downstream slot still
-    holds step ``t - 2`` until freed."""
-    if t >= _RECV_SLOTS:
-      phase = self.phase_of[tr.stream][t]
-      pl.semaphore_wait(self.capacity.at[tr.stream, phase, t % _RECV_SLOTS], 1)
+  def send(self, tr, t, phase: int) -> None:
+    """Starts step ``t``'s sends (``phase``: the index of ``tr``'s phase in its stream),
+    after the capacity wait where the downstream slot still holds step ``t - 2`` until
+    freed."""
+    capacity = self.capacity.at[tr.stream, phase, t % _RECV_SLOTS]
+    _when(t >= _RECV_SLOTS, lambda: pl.semaphore_wait(capacity, 1))
     self.dmas(tr, t, sending=True, action=lambda c: c.start())
 
-  def reduce(self, tr, t: int) -> None:
+  def reduce(self, tr, t) -> None:
     """Waits for every leaf's DMA of the received slab, then adds each into place."""
     self.dmas(tr, t, sending=False, action=lambda c: c.wait_recv())
 
@@ -186,17 +231,27 @@ class _ReduceScatter:
 
     self.ranges.each(tr, self.topo.slab(tr.phase, tr.step, sending=False), add)
 
-  def free_slot(self, tr, t: int) -> None:
+  def free_slot(self, tr, t, run: tuple[int, int]) -> None:
     """Signals the capacity of step ``t``'s slot to whoever fills it next (step
-    ``t + 2``'s upstream neighbour), once its sums are stored."""
-    if t + _RECV_SLOTS < len(self.steps):
-      later = self.steps[t + _RECV_SLOTS][tr.stream].phase
-      phase = self.phase_of[tr.stream][t + _RECV_SLOTS]
+    ``t + 2``'s upstream neighbour), once its sums are stored. Within the run of steps
+    ``t`` lies in, that is the same phase's upstream; the last two steps of a run signal
+    the next phase's."""
+    t0, t1 = run
+    phase = self.phase_of[tr.stream][t0]
+
+    def signal(later: schedule_lib.Phase, later_phase: int):
       pl.semaphore_signal(
-        self.capacity.at[tr.stream, phase, t % _RECV_SLOTS],
+        self.capacity.at[tr.stream, later_phase, t % _RECV_SLOTS],
         1,
         device_id=self.topo.neighbour(later.axis, -later.direction),
       )
+
+    _when(t + _RECV_SLOTS < t1, lambda: signal(tr.phase, phase))
+    for last in range(max(t0, t1 - _RECV_SLOTS), t1):
+      if last + _RECV_SLOTS < len(self.steps):
+        later = self.steps[last + _RECV_SLOTS][tr.stream].phase
+        later_phase = self.phase_of[tr.stream][last + _RECV_SLOTS]
+        _when(t == last, functools.partial(signal, later, later_phase))
 
 
 def _reduce_scatter_kernel(coords_ref, *refs, grid: LeafGrid, axes, mesh_axes, frames: tuple):
@@ -218,16 +273,17 @@ def _reduce_scatter_kernel(coords_ref, *refs, grid: LeafGrid, axes, mesh_axes, f
   )
   with jax.named_scope("barrier"):
     topo.barrier(grid.schedule)
-  for t, transfers in enumerate(rs.steps):
-    with jax.named_scope(f"send_step{t}"):
-      for tr in transfers:
-        rs.send(tr, t)
-    with jax.named_scope(f"reduce_step{t}"):
-      for tr in transfers:
-        rs.reduce(tr, t)
-        rs.free_slot(tr, t)
-      for tr in transfers:
-        rs.dmas(tr, t, sending=True, action=lambda c: c.wait_send())
+
+  def step(t, transfers, run):
+    for tr in transfers:
+      rs.send(tr, t, rs.phase_of[tr.stream][run[0]])
+    for tr in transfers:
+      rs.reduce(tr, t)
+      rs.free_slot(tr, t, run)
+    for tr in transfers:
+      rs.dmas(tr, t, sending=True, action=lambda c: c.wait_send())
+
+  _each_step(grid.schedule, step)
 
 
 def _all_gather_kernel(coords_ref, *refs, grid: LeafGrid, axes, mesh_axes):
@@ -251,14 +307,16 @@ def _all_gather_kernel(coords_ref, *refs, grid: LeafGrid, axes, mesh_axes):
 
   with jax.named_scope("barrier"):
     topo.barrier(schedule)
-  for t, transfers in enumerate(schedule.steps()):
-    with jax.named_scope(f"gather_step{t}"):
-      for tr in transfers:
-        dmas(tr, t, sending=True, action=lambda c: c.start())
-      for tr in transfers:
-        dmas(tr, t, sending=False, action=lambda c: c.wait_recv())
-      for tr in transfers:
-        dmas(tr, t, sending=True, action=lambda c: c.wait_send())
+
+  def step(t, transfers, run):
+    for tr in transfers:
+      dmas(tr, t, sending=True, action=lambda c: c.start())
+    for tr in transfers:
+      dmas(tr, t, sending=False, action=lambda c: c.wait_recv())
+    for tr in transfers:
+      dmas(tr, t, sending=True, action=lambda c: c.wait_send())
+
+  _each_step(schedule, step)
 
 
 def _cost(grid: LeafGrid, *, reduce: bool) -> pl.CostEstimate:
