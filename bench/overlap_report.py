@@ -37,6 +37,7 @@ from resnet import grad_sync, train
 from resnet.configs import imagenet
 from torus_collectives import cost_model, xla_settings
 from torus_collectives.gradients import GRADIENT_SCOPE, WEIGHT_GATHER_SCOPE
+from torus_collectives.kernels import leaf_kernels
 from torus_collectives.testing import hlo_schedule
 from torus_collectives.testing.aot import topology_mesh
 
@@ -239,8 +240,11 @@ def step_timeline(compiled_text: str, mesh, generation: str, clock_hz: float):
     if collective == "all_gather" and op.kind != "pallas":
       nbytes *= math.prod(torus)  # XLA's operand is one shard (a kernel's is the buffer)
     variant = "torus_split" if len(torus) > 1 else "bidirectional_ring"
-    # The leaf kernels add a slab only once all of it has landed: priced with its adds.
-    pieces = 1 if "leaf_reduce_scatter" in op.name else None
+    # The leaf kernels' reduce-scatter adds each group of leaves as it lands (``leaf_kernels
+    # .add_groups``: one group per leaf up to ADD_GROUPS), priced with its adds.
+    pieces = None
+    if "leaf_reduce_scatter" in op.name:
+      pieces = min(leaf_kernels.ADD_GROUPS, len(op.operands) - 1)  # less the coordinates
     return cost_model.predict(
       collective, torus, variant, nbytes, generation, reduce_pieces=pieces
     ).time_s

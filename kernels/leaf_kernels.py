@@ -16,26 +16,28 @@ of one of two static shapes, under a ``pl.when`` on the traced size. Both ends c
 the same window from the slab index and the coordinates they share.
 
 * reduce-scatter: each leaf's range goes to the neighbour's receive slot for that leaf
-  (an HBM output per leaf, a region per stream and slot, double-buffered); the receiver
-  waits for every leaf's DMA of the transfer, then adds each slot into the leaf's rows of
-  the slab it received, a block of rows at a time through VMEM (16-bit floats add in
-  float32 and round once), and stores the sums in place. The slab it sends in the next
-  step is the one it just summed.
+  (an HBM output per leaf, a region per stream and slot, double-buffered). The leaves are
+  cut into up to ``ADD_GROUPS`` groups of about equal size (``add_groups``), each with its
+  own semaphore pair: the receiver waits for a group's DMAs, adds each slot into the
+  leaf's rows of the slab it received, a block of rows at a time through VMEM (16-bit
+  floats add in float32 and round once), and stores the sums in place, while later
+  groups are still landing. Within a phase the slab sent at the next step is the one just
+  summed, so each group is sent on as soon as its sums are stored.
 * all-gather: each leaf's range goes straight to the same rows of the neighbour's leaf.
   Every range is written once, by the device upstream, after its owner has read it for
   the last time.
 
 Synchronisation is the flat kernels' (``torus_kernels``): an entry barrier per call
-(``remote_dma.Topology.barrier``); one DMA semaphore pair per (stream, slot) for the
+(``remote_dma.Topology.barrier``); one DMA semaphore pair per (stream, slot, group) for the
 reduce-scatter and per (stream, step) for the all-gather, counting the bytes of every
 leaf's DMA (the receiver waits, with the sender's shapes, for all of them before it reads
 any); and the reduce-scatter's capacity handshake per (stream, phase, slot), so a sender
 fills a slot only after the receiver has added what it held two steps before.
 
 Costs: like the flat kernels, per element sent one HBM read and one write for the DMA,
-and for a reduction two reads into VMEM, a write of the sum and an add
-(``_cost``). Not pipelined within a step: a receiver adds only once all of a transfer has
-landed, so the link idles while it adds (the flat kernels add piece by piece).
+and for a reduction two reads into VMEM, a write of the sum and an add (``_cost``); the
+adds pipeline as the flat kernels' pieces do, with the groups as pieces
+(``cost_model.predict(reduce_pieces=...)``).
 
 Code: the steps of a phase differ only in the slab index, so each run of steps in which
 no stream changes phase is one loop over a traced step (``_each_step``): a kernel's code
@@ -71,9 +73,11 @@ from torus_collectives.kernels.remote_dma import (
 )
 from torus_collectives.kernels.torus_kernels import add_rounded
 
-__all__ = ["all_gather_call", "reduce_scatter_call"]
+__all__ = ["ADD_GROUPS", "add_groups", "all_gather_call", "reduce_scatter_call"]
 
 _RECV_SLOTS = 2
+# Groups of leaves a receiver adds one after another as they land (``add_groups``).
+ADD_GROUPS = 8
 # Bytes of one VMEM block of rows added at a time (per operand).
 _ADD_BLOCK_BYTES = 64 * 1024
 
@@ -81,15 +85,15 @@ _ADD_BLOCK_BYTES = 64 * 1024
 class _Ranges:
   """The rows of each leaf that a transfer moves on this device: ``each(tr, slab, fn)``
   calls ``fn(leaf, start_row, rows)`` with ``rows`` static, inside a ``pl.when`` on the
-  traced size, once per leaf whose range is not empty."""
+  traced size, once per leaf (of ``leaves``, default all) whose range is not empty."""
 
   def __init__(self, grid: LeafGrid, topo: Topology):
     self.grid, self.topo = grid, topo
 
-  def each(self, tr: schedule_lib.Transfer, slab, fn) -> None:
+  def each(self, tr: schedule_lib.Transfer, slab, fn, leaves=None) -> None:
     grid, unit = self.grid, self.grid.unit
     axis, stream = tr.phase.axis, tr.stream
-    for leaf in range(len(grid.shapes)):
+    for leaf in range(len(grid.shapes)) if leaves is None else leaves:
       offset, size = piece(grid.units(leaf), grid.path(leaf, stream, self.topo.coords, axis, slab))
       for units in sorted(set(grid.bounds(leaf, stream, axis)) - {0}):
         start = pl.multiple_of(offset * unit, unit)
@@ -176,6 +180,19 @@ def _block_rows(frame, itemsize: int, unit: int) -> int:
   return max(unit, _ADD_BLOCK_BYTES // row_bytes // unit * unit)
 
 
+def add_groups(grid: LeafGrid) -> list[list[int]]:
+  """The leaves cut into at most ``ADD_GROUPS`` runs of about equal elements: a receiver
+  adds group ``g`` while groups ``g + 1, ...`` are still landing."""
+  total = sum(grid.elements(leaf) for leaf in range(len(grid.shapes)))
+  count = min(ADD_GROUPS, len(grid.shapes))
+  groups: list[list[int]] = [[] for _ in range(count)]
+  done = 0
+  for leaf in range(len(grid.shapes)):
+    groups[min(count - 1, done * count // total)].append(leaf)
+    done += grid.elements(leaf)
+  return [g for g in groups if g]
+
+
 class _ReduceScatter:
   """One device's reduce-scatter inside the kernel: the addressing of its leaves and
   receive slots, and the sections of the protocol (module doc) that
@@ -186,10 +203,11 @@ class _ReduceScatter:
     self.send_sems, self.recv_sems, self.capacity, self.local_sems = sems
     self.vmem_of = vmem_of
     self.ranges = _Ranges(grid, topo)
+    self.groups = add_groups(grid)
     self.steps = grid.schedule.steps()
     self.phase_of = grid.schedule.phase_of_steps()
 
-  def slot_view(self, leaf: int, tr, t: int, rows: int):
+  def slot_view(self, leaf: int, tr, t, rows: int):
     """The first ``rows`` of leaf ``leaf``'s receive slot of ``tr``'s stream at step ``t``."""
     slot = (tr.stream * _RECV_SLOTS + t % _RECV_SLOTS) * self.grid.slot_units(leaf)
     start = slot * self.grid.unit
@@ -197,39 +215,75 @@ class _ReduceScatter:
       start = pl.multiple_of(start, self.grid.unit)
     return window(self.slots[leaf], start, rows)
 
-  def dmas(self, tr, t: int, *, sending: bool, action) -> None:
-    """``action`` on each leaf's DMA of the slab this device sends (or receives) in
-    ``tr`` at step ``t``: the same descriptors on both ends."""
+  def dmas(self, tr, t, group: int, *, sending: bool, action) -> None:
+    """``action`` on the DMA of each leaf of ``group`` that moves the slab this device
+    sends (or receives) in ``tr`` at step ``t``: the same descriptors on both ends, a
+    semaphore pair per (stream, slot, group)."""
     slab = self.topo.slab(tr.phase, tr.step, sending=sending)
     sems = (
-      self.send_sems.at[tr.stream, t % _RECV_SLOTS],
-      self.recv_sems.at[tr.stream, t % _RECV_SLOTS],
+      self.send_sems.at[tr.stream, t % _RECV_SLOTS, group],
+      self.recv_sems.at[tr.stream, t % _RECV_SLOTS, group],
     )
 
     def run(leaf, start, rows):
       src, dst = window(self.leaves[leaf], start, rows), self.slot_view(leaf, tr, t, rows)
       action(self.topo.remote_copy(src, dst, *sems, tr.phase.axis, tr.phase.direction))
 
-    self.ranges.each(tr, slab, run)
+    self.ranges.each(tr, slab, run, self.groups[group])
 
-  def send(self, tr, t, phase: int) -> None:
-    """Starts step ``t``'s sends (``phase``: the index of ``tr``'s phase in its stream),
-    after the capacity wait where the downstream slot still holds step ``t - 2`` until
-    freed."""
+  def send(self, tr, t, groups) -> None:
+    """Starts step ``t``'s sends of ``groups`` (after ``wait_capacity``)."""
+    for group in groups:
+      self.dmas(tr, t, group, sending=True, action=lambda c: c.start())
+
+  def wait_capacity(self, tr, t, phase: int) -> None:
+    """Before step ``t``'s first send (``phase``: its phase's index in the stream): waits
+    until the downstream slot no longer holds step ``t - 2``."""
     capacity = self.capacity.at[tr.stream, phase, t % _RECV_SLOTS]
     _when(t >= _RECV_SLOTS, lambda: pl.semaphore_wait(capacity, 1))
-    self.dmas(tr, t, sending=True, action=lambda c: c.start())
 
-  def reduce(self, tr, t) -> None:
-    """Waits for every leaf's DMA of the received slab, then adds each into place."""
-    self.dmas(tr, t, sending=False, action=lambda c: c.wait_recv())
+  def reduce(self, tr, t, group: int) -> None:
+    """Waits for the received slab's DMAs of ``group``, then adds each leaf into place."""
+    self.dmas(tr, t, group, sending=False, action=lambda c: c.wait_recv())
 
     def add(leaf, start, rows):
       own = window(self.leaves[leaf], start, rows)
       vmem = self.vmem_of[_frame(self.grid.shapes[leaf])]
       _add_rows(own, self.slot_view(leaf, tr, t, rows), vmem, self.local_sems)
 
-    self.ranges.each(tr, self.topo.slab(tr.phase, tr.step, sending=False), add)
+    slab = self.topo.slab(tr.phase, tr.step, sending=False)
+    self.ranges.each(tr, slab, add, self.groups[group])
+
+  def step(self, t, transfers, run: tuple[int, int]) -> None:
+    """Global step ``t`` (in the run ``[t0, t1)`` of one phase per stream): the sends,
+    unless the step before forwarded them; each group's adds, forwarding it as the next
+    step's send within the run; the slots' capacity signals; the waits for the sends."""
+    t0, t1 = run
+    groups = range(len(self.groups))
+    phases = [self.phase_of[tr.stream][t0] for tr in transfers]
+
+    def send_all():
+      for tr, phase in zip(transfers, phases):
+        self.wait_capacity(tr, t, phase)
+        self.send(tr, t, groups)
+
+    _when(t == t0, send_all)
+    for group in groups:
+      for tr, phase in zip(transfers, phases):
+        self.reduce(tr, t, group)
+        later = dataclasses.replace(tr, step=tr.step + 1)
+
+        def forward(later=later, phase=phase, group=group):
+          if group == 0:
+            self.wait_capacity(later, t + 1, phase)
+          self.send(later, t + 1, [group])
+
+        _when(t + 1 < t1, forward)
+    for tr in transfers:
+      self.free_slot(tr, t, run)
+    for tr in transfers:
+      for group in groups:
+        self.dmas(tr, t, group, sending=True, action=lambda c: c.wait_send())
 
   def free_slot(self, tr, t, run: tuple[int, int]) -> None:
     """Signals the capacity of step ``t``'s slot to whoever fills it next (step
@@ -256,9 +310,13 @@ class _ReduceScatter:
 
 def _reduce_scatter_kernel(coords_ref, *refs, grid: LeafGrid, axes, mesh_axes, frames: tuple):
   """The reduce-scatter (module doc). ``refs``: the inputs (aliased, unused), the leaves,
-  their receive slots, then the scratch: send and receive semaphores per (stream, slot),
-  the capacity semaphores per (stream, phase, slot), a VMEM pair per leaf frame, and the
-  VMEM copies' semaphores."""
+  their receive slots, then the scratch: send and receive semaphores per (stream, slot,
+  add group), the capacity semaphores per (stream, phase, slot), a VMEM pair per leaf
+  frame, and the VMEM copies' semaphores.
+
+  Within a run of steps of one phase, the slab sent at step ``t + 1`` is the one summed
+  at step ``t``: each group of it is sent on as soon as its sums are stored, so only a
+  run's first step sends at its start."""
   n = len(grid.shapes)
   send_sems, recv_sems, capacity, *vmem, local_sems = refs[3 * n :]
   vmem_of = {f: (vmem[2 * i], vmem[2 * i + 1]) for i, f in enumerate(frames)}
@@ -273,17 +331,7 @@ def _reduce_scatter_kernel(coords_ref, *refs, grid: LeafGrid, axes, mesh_axes, f
   )
   with jax.named_scope("barrier"):
     topo.barrier(grid.schedule)
-
-  def step(t, transfers, run):
-    for tr in transfers:
-      rs.send(tr, t, rs.phase_of[tr.stream][run[0]])
-    for tr in transfers:
-      rs.reduce(tr, t)
-      rs.free_slot(tr, t, run)
-    for tr in transfers:
-      rs.dmas(tr, t, sending=True, action=lambda c: c.wait_send())
-
-  _each_step(grid.schedule, step)
+  _each_step(grid.schedule, rs.step)
 
 
 def _all_gather_kernel(coords_ref, *refs, grid: LeafGrid, axes, mesh_axes):
@@ -380,8 +428,8 @@ def reduce_scatter_call(
     rows = _block_rows((lead, width), grid.itemsize, unit)
     vmem += [pltpu.VMEM((*lead, rows, width), dtype)] * 2
   scratch = [
-    pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS)),
-    pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS)),
+    pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS, len(add_groups(grid)))),
+    pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS, len(add_groups(grid)))),
     pltpu.SemaphoreType.REGULAR((streams, phases, _RECV_SLOTS)),
     *vmem,
     pltpu.SemaphoreType.DMA((3,)),
