@@ -91,6 +91,44 @@ def test_instruction_parsing():
   assert op.result_bytes == 2 * 8 * 32 * 2 + 4
 
 
+def test_compute_by_category_names_each_fusion_by_its_heaviest_op():
+  """A fusion counts as its heaviest op (a convolution over a reduction over a slice...),
+  a fusion of elementwise ops as elementwise, any other op as its opcode; collectives are
+  not compute."""
+
+  def computation(name, *ops):
+    lines = [f"  %{op.split('(')[0]}.{i} = f32[8]{{0}} {op}" for i, op in enumerate(ops)]
+    return f"%{name} (p: f32[8]) -> f32[8] {{\n" + "\n".join(lines) + "\n}\n"
+
+  fused = (
+    computation("conv", "convolution(%p, %p)", "reduce(%p, %c)", "multiply(%p, %p)")
+    + computation("norm", "multiply(%p, %p)", "reduce(%p, %c)")
+    + computation("cut", "slice(%p)", "add(%p, %p)")
+    + computation("scale", "multiply(%p, %p)", "add(%p, %p)")
+  )
+  text = BLOCKING.replace("HloModule m\n\n", "HloModule m\n\n" + fused)
+  text = text.replace(
+    _fusion("fusion.1", 3000, "%p"),
+    "\n".join(
+      [
+        _fusion("fusion.1", 3000, "%p").replace("calls=%c", "calls=%conv"),
+        _fusion("fusion.2", 200, "%p").replace("calls=%c", "calls=%norm"),
+        _fusion("fusion.3", 50, "%p").replace("calls=%c", "calls=%cut"),
+        _fusion("fusion.4", 70, "%p").replace("calls=%c", "calls=%scale"),
+        _fusion("fusion.5", 30, "%p").replace("calls=%c", "calls=%scale"),
+        '  %copy.1 = f32[1024]{0} copy(%p), backend_config={"estimated_cycles":"9"}',
+      ]
+    ),
+  )
+  assert hlo_schedule.compute_by_category(text) == {
+    "convolution": 3000,
+    "reduction": 200,
+    "elementwise": 100,
+    "slice": 50,
+    "copy": 9,
+  }
+
+
 def test_libtpu_flags_keep_the_users_values():
   merged = xla_settings.libtpu_init_args("--xla_enable_async_all_reduce=false --other=1")
   flags = merged.split()
