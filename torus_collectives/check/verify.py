@@ -133,18 +133,27 @@ def _sum_check(case: Case, axes):
   return body, (n,), bound, exact
 
 
+# A gradient check's kernel is a [rows, 128] matrix (rows a multiple of 16, a tile of
+# every dtype) where the case has room for one: the shape the Pallas gradient summation
+# sums where it lies (``kernels.leaf_kernels``); smaller cases keep a flat kernel.
+_KERNEL_TILE = 16 * 128
+
+
 def _gradients_check(case: Case, axes):
   p = case.devices
   first = max(1, case.elements * 2 // 3)
+  if first >= _KERNEL_TILE:
+    first -= first % _KERNEL_TILE
   second = max(1, case.elements - first)
   c = registry.auto_rounding_bound("pmean", case.dtype, p)
+  kernel_shape = (first // 128, 128) if first % _KERNEL_TILE == 0 else (first,)
 
   def body(x):
-    tree = {"kernel": x[:first], "bias": x[first : first + second]}
+    tree = {"kernel": x[:first].reshape(kernel_shape), "bias": x[first : first + second]}
     got = tc.all_reduce_gradients(tree, axes, implementation=case.impl)
     want = lax.pmean(tree, axes)
     mags = lax.psum(jax.tree.map(lambda v: jnp.abs(v).astype(jnp.float32), tree), axes)
-    flat = lambda t: jnp.concatenate([t["kernel"], t["bias"]])
+    flat = lambda t: jnp.concatenate([t["kernel"].reshape(-1), t["bias"]])
     return flat(got), flat(want), flat(mags)
 
   return body, (first + second,), lambda want, mags: c * mags, False
