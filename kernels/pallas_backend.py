@@ -348,11 +348,13 @@ def all_reduce_leaves(
   views = [leaf_grid.kernel_view(leaf.shape, itemsize) for leaf in leaves]
   swap = lambda x: jnp.swapaxes(x, -1, -2)
   kernel_leaves = [swap(x) if v == "transposed" else x for x, v in zip(leaves, views) if v]
-  packed = [i for i, view in enumerate(views) if view is None]
+  packed = [i for i, view in enumerate(views) if view is None and leaves[i].size]
   unit = leaf_grid.unit_rows(itemsize)
   if packed:
     flat = jnp.concatenate([leaves[i].reshape(-1) for i in packed])
     kernel_leaves.append(_as_leaf(flat, ceil_div(flat.size, unit * LANES) * unit))
+  if not kernel_leaves:  # every leaf empty
+    return leaves
   mesh_axes, _ = mesh_target()
   variant = schedule_lib.default_variant(torus)
   shapes = tuple(tuple(x.shape) for x in kernel_leaves)
@@ -364,12 +366,12 @@ def all_reduce_leaves(
   summed = leaf_kernels.reduce_scatter_call(summed, rs, axes, mesh_axes)
   summed = leaf_kernels.all_gather_call(summed, ag, axes, mesh_axes)
   out, sums = [], iter(summed)
-  for view in views:
+  for i, view in enumerate(views):
     if view is not None:
       total = next(sums)
       out.append(swap(total) if view == "transposed" else total)
     else:
-      out.append(None)
+      out.append(leaves[i] if not leaves[i].size else None)  # an empty sum is itself
   if packed:
     flat = next(sums).reshape(-1)
     ends = itertools.accumulate(leaves[i].size for i in packed)

@@ -141,13 +141,15 @@ def test_leaf_sums_equal_lax_psum(shape, dtype, mode):
 
 
 def test_the_gradient_summation_sums_leaves_where_they_lie():
-  """On "pallas", a bucket of leaves with 2-D views is summed by the leaf kernels: no
-  concatenate packs it and no slice unpacks it, and the means equal lax.pmean's."""
+  """On "pallas", a bucket of convolution and dense kernels (and an empty leaf) is summed
+  by the leaf kernels: no concatenate packs it and no slice unpacks it, and the means
+  equal lax.pmean's."""
   mesh = harness.mesh((2, 4))
   axes = mesh.axis_names
   tree = {
     "conv": harness.small_integers((8, 3, 3, 8, 16), np.float32, 1),
     "dense": harness.small_integers((8, 40, 128), np.float32, 2),
+    "empty": np.zeros((8, 0, 16), np.float32),  # its sum is itself
   }
   fn = lambda t: (
     tc.all_reduce_gradients(t, axes, implementation="pallas"),
