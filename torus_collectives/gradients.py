@@ -260,8 +260,8 @@ def all_reduce_gradients(
     new_residual = None
     if registry.runs_lax(implementation):
       out = _on_lax(leaves, wire, buckets, axis_name, mean, scale, cast)
-    elif transport is None and _leaves_backend(implementation) is not None:
-      summed = _where_they_lie(_leaves_backend(implementation), wire, buckets, names, torus)
+    elif transport is None and (leaf_sum := _leaves_backend(implementation)) is not None:
+      summed = _where_they_lie(leaf_sum, wire, buckets, names, torus)
       out = [
         (part.astype(jnp.float32) * scale).astype(leaf.dtype) for part, leaf in zip(summed, leaves)
       ]
