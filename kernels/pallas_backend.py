@@ -320,6 +320,26 @@ def _as_leaf(x: jax.Array, rows: int) -> jax.Array:
   return pad_to(x.reshape(-1), rows * LANES).reshape(rows, LANES)
 
 
+# The most leaves one pair of leaf kernels takes: a kernel's code grows with its leaves,
+# so a bucket of many (a transformer's) runs as several pairs instead.
+MAX_LEAVES_PER_CALL = 64
+
+
+def _leaf_calls(leaves: list[jax.Array], axes, torus) -> list[jax.Array]:
+  """The leaf kernels' reduce-scatter then all-gather of ``leaves``, aliased."""
+  mesh_axes, _ = mesh_target()
+  variant = schedule_lib.default_variant(torus)
+  itemsize = leaves[0].dtype.itemsize
+  shapes = tuple(tuple(x.shape) for x in leaves)
+  rs, ag = (
+    leaf_grid.LeafGrid(shapes, itemsize, schedule_lib.build(kind, torus, variant))
+    for kind in ("reduce_scatter", "all_gather")
+  )
+  summed = [ensure_varying(x, axes) for x in leaves]
+  summed = leaf_kernels.reduce_scatter_call(summed, rs, axes, mesh_axes)
+  return leaf_kernels.all_gather_call(summed, ag, axes, mesh_axes)
+
+
 def all_reduce_leaves(
   leaves: Sequence[jax.Array], axes: Sequence[str], torus: Sequence[int]
 ) -> list[jax.Array]:
@@ -332,22 +352,17 @@ def all_reduce_leaves(
   swap is a bitcast and no XLA op packs, reshapes or copies it. The others (vectors, a
   stem convolution's kernel) are packed, zero-padded, into one more leaf of ``[rows,
   128]``. One reduce-scatter and one all-gather call of
-  ``schedule.default_variant(torus)`` take them all, aliased. 16-bit floats travel in
-  their own type and every hop adds in float32, as ``all_reduce`` does.
+  ``schedule.default_variant(torus)`` take them all, aliased (up to
+  ``MAX_LEAVES_PER_CALL`` leaves a pair; more run as several pairs). 16-bit floats
+  travel in their own type and every hop adds in float32, as ``all_reduce`` does.
   """
   leaves = list(leaves)
   torus = tuple(int(n) for n in torus)
   if not leaves or math.prod(torus) == 1:
     return leaves
-  dtypes = sorted({str(leaf.dtype) for leaf in leaves})
-  if len(dtypes) != 1:
-    raise ValueError(f"the leaves of one call share a dtype, got {dtypes}")
-  itemsize = leaves[0].dtype.itemsize
-  if itemsize not in (2, 4):
-    raise ValueError(f"the leaf kernels sum 16- and 32-bit types, got {dtypes[0]}")
+  itemsize = _shared_itemsize(leaves)
   views = [leaf_grid.kernel_view(leaf.shape, itemsize) for leaf in leaves]
-  swap = lambda x: jnp.swapaxes(x, -1, -2)
-  kernel_leaves = [swap(x) if v == "transposed" else x for x, v in zip(leaves, views) if v]
+  kernel_leaves = [_swap(x) if v == "transposed" else x for x, v in zip(leaves, views) if v]
   packed = [i for i, view in enumerate(views) if view is None and leaves[i].size]
   unit = leaf_grid.unit_rows(itemsize)
   if packed:
@@ -355,26 +370,38 @@ def all_reduce_leaves(
     kernel_leaves.append(_as_leaf(flat, ceil_div(flat.size, unit * LANES) * unit))
   if not kernel_leaves:  # every leaf empty
     return leaves
-  mesh_axes, _ = mesh_target()
-  variant = schedule_lib.default_variant(torus)
-  shapes = tuple(tuple(x.shape) for x in kernel_leaves)
-  rs, ag = (
-    leaf_grid.LeafGrid(shapes, itemsize, schedule_lib.build(kind, torus, variant))
-    for kind in ("reduce_scatter", "all_gather")
-  )
-  summed = [ensure_varying(x, axes) for x in kernel_leaves]
-  summed = leaf_kernels.reduce_scatter_call(summed, rs, axes, mesh_axes)
-  summed = leaf_kernels.all_gather_call(summed, ag, axes, mesh_axes)
+  summed = []
+  for start in range(0, len(kernel_leaves), MAX_LEAVES_PER_CALL):
+    summed += _leaf_calls(kernel_leaves[start : start + MAX_LEAVES_PER_CALL], axes, torus)
   out, sums = [], iter(summed)
-  for i, view in enumerate(views):
+  for leaf, view in zip(leaves, views):
     if view is not None:
       total = next(sums)
-      out.append(swap(total) if view == "transposed" else total)
+      out.append(_swap(total) if view == "transposed" else total)
     else:
-      out.append(leaves[i] if not leaves[i].size else None)  # an empty sum is itself
+      out.append(None if leaf.size else leaf)  # an empty leaf's sum is itself
   if packed:
     flat = next(sums).reshape(-1)
     ends = itertools.accumulate(leaves[i].size for i in packed)
     for i, end in zip(packed, ends):
       out[i] = flat[end - leaves[i].size : end].reshape(leaves[i].shape)
   return out
+
+
+def _swap(x: jax.Array) -> jax.Array:
+  return jnp.swapaxes(x, -1, -2)
+
+
+def _shared_itemsize(leaves: Sequence[jax.Array]) -> int:
+  """The bytes of the one dtype the leaves share, a 16- or 32-bit one.
+
+  Raises:
+    ValueError: leaves of several dtypes, or of another width.
+  """
+  dtypes = sorted({str(leaf.dtype) for leaf in leaves})
+  if len(dtypes) != 1:
+    raise ValueError(f"the leaves of one call share a dtype, got {dtypes}")
+  itemsize = leaves[0].dtype.itemsize
+  if itemsize not in (2, 4):
+    raise ValueError(f"the leaf kernels sum 16- and 32-bit types, got {dtypes[0]}")
+  return itemsize

@@ -140,6 +140,36 @@ def test_leaf_sums_equal_lax_psum(shape, dtype, mode):
   _leaf_sums(harness.mesh(shape), shapes, dtype, mode)
 
 
+def test_more_leaves_than_one_pair_takes_run_as_several_pairs(monkeypatch):
+  """A bucket of more leaves than ``MAX_LEAVES_PER_CALL`` (a kernel's code grows with
+  them) runs as several kernel pairs, each leaf summed exactly once."""
+  monkeypatch.setattr(pallas_backend, "MAX_LEAVES_PER_CALL", 2)
+  mesh = harness.mesh((4,))
+  leaves = [harness.small_integers((4, 8, 128), np.float32, seed=i) for i in range(3)]
+  ours = lambda *ls: pallas_backend.all_reduce_leaves(ls, ("x",), (4,))
+  with harness.interpret_mode("eager"):
+    jaxpr = jax.make_jaxpr(harness.sharded(ours, mesh, check_vma=False))(*leaves)
+    got = jax.block_until_ready(harness.sharded(ours, mesh, check_vma=False)(*leaves))
+  assert str(jaxpr).count("pallas_call[") == 4
+  for g, leaf in zip(got, leaves):
+    np.testing.assert_array_equal(np.asarray(g), np.broadcast_to(leaf.sum(0), leaf.shape))
+
+
+@pytest.mark.parametrize(
+  "dtypes, message",
+  [
+    ((jnp.float32, jnp.bfloat16), "share a dtype"),
+    ((jnp.int8,), "16- and 32-bit"),
+  ],
+)
+def test_leaves_the_kernels_cannot_sum_are_refused(dtypes, message):
+  mesh = harness.mesh((4,))
+  leaves = [np.zeros((4, 16, 128), d) for d in dtypes]
+  ours = lambda *ls: pallas_backend.all_reduce_leaves(ls, ("x",), (4,))
+  with harness.interpret_mode("eager"), pytest.raises(ValueError, match=message):
+    harness.sharded(ours, mesh, check_vma=False)(*leaves)
+
+
 def test_the_gradient_summation_sums_leaves_where_they_lie():
   """On "pallas", a bucket of convolution and dense kernels (and an empty leaf) is summed
   by the leaf kernels: no concatenate packs it and no slice unpacks it, and the means
