@@ -15,9 +15,9 @@ the format, the error bound), optionally with error feedback (``residual=``).
 "pallas" takes a bucket's leaves where they lie: the leaves of two or more dimensions
 whose second-minor one is a whole number of tiles go to its leaf kernels in their own
 shapes and come back summed in place; only the rest (vectors, odd shapes) is packed, into
-one more small leaf (the backend's ``all_reduce_leaves``). The other
-torus implementations pack each bucket into one flat buffer (the layout of ``packing``)
-and reduce it with one collective. When the implementation is XLA (what
+one more small leaf (the backend's ``all_reduce_leaves``). The other torus
+implementations pack each bucket into one flat buffer (the layout of ``packing``) and
+reduce it with one collective. When the implementation is XLA (what
 "auto" picks unless the tuner measured otherwise for this tree's size, as op
 ``all_reduce_gradients``: the one rule, ``registry.resolve``), each bucket's leaves go to
 one variadic ``lax.psum`` / ``lax.pmean``, with no concatenate or slice copies, and equal
