@@ -240,8 +240,8 @@ def step_timeline(compiled_text: str, mesh, generation: str, clock_hz: float):
     if collective == "all_gather" and op.kind != "pallas":
       nbytes *= math.prod(torus)  # XLA's operand is one shard (a kernel's is the buffer)
     variant = "torus_split" if len(torus) > 1 else "bidirectional_ring"
-    # The leaf kernels' reduce-scatter adds each group of leaves as it lands (``leaf_kernels
-    # .add_groups``: one group per leaf up to ADD_GROUPS), priced with its adds.
+    # The leaf kernels' reduce-scatter adds each group of leaves as it lands: priced with
+    # its adds, in ``leaf_kernels.add_groups``'s min(ADD_GROUPS, leaves) groups.
     pieces = None
     if "leaf_reduce_scatter" in op.name:
       pieces = min(leaf_kernels.ADD_GROUPS, len(op.operands) - 1)  # less the coordinates

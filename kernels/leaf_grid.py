@@ -150,10 +150,6 @@ class LeafGrid:
   def units(self, leaf: int) -> int:
     return self.shapes[leaf][-2] // self.unit
 
-  def unit_elements(self, leaf: int) -> int:
-    """Elements of one unit of leaf ``leaf``: a tile of rows under every leading index."""
-    return self.elements(leaf) // self.units(leaf)
-
   def axis_order(self, stream: int) -> tuple[int, ...]:
     """The torus axes stream ``stream`` reduce-scatters along, in order (the all-gather
     visits them backwards)."""

@@ -95,6 +95,22 @@ def test_the_extra_units_go_round_the_parts():
 
 
 @pytest.mark.parametrize(
+  "units", [[1], [3, 5], [1000, 1, 1, 1], [1] * 20, [40, 1, 2, 900, 3, 3, 7, 1, 1]]
+)
+def test_add_groups_are_min_of_eight_and_the_leaves_runs_none_empty(units):
+  """The reduce-scatter's add groups: contiguous, covering every leaf once, none empty,
+  exactly ``min(ADD_GROUPS, leaves)`` of them (what the step report prices), even where
+  one leaf holds most of the elements."""
+  from torus_collectives.kernels import leaf_kernels
+
+  schedule = schedule_lib.build("reduce_scatter", (4,), "ring")
+  grid = leaf_grid.LeafGrid(tuple((8 * u, 128) for u in units), 4, schedule)
+  groups = leaf_kernels.add_groups(grid)
+  assert len(groups) == min(leaf_kernels.ADD_GROUPS, len(units))
+  assert all(groups) and [leaf for g in groups for leaf in g] == list(range(len(units)))
+
+
+@pytest.mark.parametrize(
   "shape, itemsize, view",
   [
     ((3, 3, 64, 128), 4, "as is"),
