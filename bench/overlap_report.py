@@ -227,9 +227,10 @@ def step_timeline(compiled_text: str, mesh, generation: str, clock_hz: float):
   def price(op, nbytes):
     split = hlo_schedule.split_call(op)
     if split is not None:  # one ring hop of a split collective; nbytes: the call's buffer
-      kind, _, axis = split
+      kind, _, axis = split  # (a leaf chain's call: the bytes its hop sends)
       n = sizes[axis]
-      chunk = nbytes // (n if kind == "all_gather" else n - 1)
+      leaf = hlo_schedule.is_leaf_call(op)
+      chunk = nbytes if leaf else nbytes // (n if kind == "all_gather" else n - 1)
       ring = cost_model.predict(kind, (n,), "ring", n * chunk, generation)
       return ring.time_s / (n - 1)
     axes = tuple(sizes) if op.kind == "pallas" else (op.axes or tuple(sizes))

@@ -84,7 +84,7 @@ ADD_GROUPS = 8
 _ADD_BLOCK_BYTES = 64 * 1024
 
 
-class _Ranges:
+class Ranges:
   """The rows of each leaf that a transfer moves on this device: ``each(tr, slab, fn)``
   calls ``fn(leaf, start_row, rows)`` with ``rows`` static, inside a ``pl.when`` on the
   traced size, once per leaf (of ``leaves``, default all) whose range is not empty."""
@@ -108,7 +108,7 @@ def window(ref, start, rows: int):
   return ref.at[(slice(None),) * (len(ref.shape) - 2) + (pl.ds(start, rows), slice(None))]
 
 
-def _frame(shape) -> tuple[tuple[int, ...], int]:
+def frame(shape) -> tuple[tuple[int, ...], int]:
   """A leaf's shape without its cut dimension: what its VMEM blocks share."""
   return tuple(shape[:-2]), shape[-1]
 
@@ -148,7 +148,7 @@ def _each_step(schedule: schedule_lib.Schedule, body) -> None:
     t0 = t1
 
 
-def _add_rows(own, received, vmem, sems) -> None:
+def add_rows(own, received, vmem, sems) -> None:
   """``own += received`` for HBM windows of equal shape, a block of rows at a time
   through the VMEM pair ``vmem`` (16-bit floats add in float32, rounded once)."""
   own_vmem, in_vmem = vmem
@@ -174,12 +174,23 @@ def _add_rows(own, received, vmem, sems) -> None:
     add(whole * block, rest)
 
 
-def _block_rows(frame, itemsize: int, unit: int) -> int:
-  """Rows of a VMEM add block for leaves of ``frame`` (``_frame``): whole tiles, about
+def block_rows(leaf_frame, itemsize: int, unit: int) -> int:
+  """Rows of a VMEM add block for leaves of ``leaf_frame`` (``frame``): whole tiles, about
   ``_ADD_BLOCK_BYTES`` (one tile at least)."""
-  lead, width = frame
+  lead, width = leaf_frame
   row_bytes = math.prod(lead) * width * itemsize
   return max(unit, _ADD_BLOCK_BYTES // row_bytes // unit * unit)
+
+
+def add_scratch(leaves: Sequence[jax.Array], grid: LeafGrid) -> tuple[tuple, list]:
+  """The distinct frames (``frame``) of ``leaves`` and, per frame, the VMEM pair that
+  ``add_rows`` adds their blocks in (the kernel's scratch, in frame order)."""
+  frames = tuple(dict.fromkeys(frame(leaf.shape) for leaf in leaves))
+  vmem = []
+  for lead, width in frames:
+    rows = block_rows((lead, width), grid.itemsize, grid.unit)
+    vmem += [pltpu.VMEM((*lead, rows, width), leaves[0].dtype)] * 2
+  return frames, vmem
 
 
 def add_groups(grid: LeafGrid) -> list[list[int]]:
@@ -207,7 +218,7 @@ class _ReduceScatter:
     self.grid, self.topo, self.leaves, self.slots = grid, topo, leaves, slots
     self.send_sems, self.recv_sems, self.capacity, self.local_sems = sems
     self.vmem_of = vmem_of
-    self.ranges = _Ranges(grid, topo)
+    self.ranges = Ranges(grid, topo)
     self.groups = add_groups(grid)
     self.steps = grid.schedule.steps()
     self.phase_of = grid.schedule.phase_of_steps()
@@ -253,8 +264,8 @@ class _ReduceScatter:
 
     def add(leaf, start, rows):
       own = window(self.leaves[leaf], start, rows)
-      vmem = self.vmem_of[_frame(self.grid.shapes[leaf])]
-      _add_rows(own, self.slot_view(leaf, tr, t, rows), vmem, self.local_sems)
+      vmem = self.vmem_of[frame(self.grid.shapes[leaf])]
+      add_rows(own, self.slot_view(leaf, tr, t, rows), vmem, self.local_sems)
 
     slab = self.topo.slab(tr.phase, tr.step, sending=False)
     self.ranges.each(tr, slab, add, self.groups[group])
@@ -347,7 +358,7 @@ def _all_gather_kernel(coords_ref, *refs, grid: LeafGrid, axes, mesh_axes):
   send_sems, recv_sems = refs[2 * n :]
   schedule = grid.schedule
   topo = Topology(axes, schedule.torus, mesh_axes, coords_ref)
-  ranges = _Ranges(grid, topo)
+  ranges = Ranges(grid, topo)
 
   def dmas(tr, t, *, sending, action):
     sems = (send_sems.at[tr.stream, t], recv_sems.at[tr.stream, t])
@@ -426,12 +437,7 @@ def reduce_scatter_call(
     )
     for i, leaf in enumerate(leaves)
   ]
-  frames = tuple(dict.fromkeys(_frame(leaf.shape) for leaf in leaves))
-  dtype = leaves[0].dtype
-  vmem = []
-  for lead, width in frames:
-    rows = _block_rows((lead, width), grid.itemsize, unit)
-    vmem += [pltpu.VMEM((*lead, rows, width), dtype)] * 2
+  frames, vmem = add_scratch(leaves, grid)
   scratch = [
     pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS, min(ADD_GROUPS, len(leaves)))),
     pltpu.SemaphoreType.DMA((streams, _RECV_SLOTS, min(ADD_GROUPS, len(leaves)))),

@@ -74,6 +74,7 @@ from torus_collectives.kernels import (
   leaf_kernels,
   quantized_kernels,
   split_collectives,
+  split_leaf_kernels,
   torus_kernels,
 )
 from torus_collectives.kernels.remote_dma import mesh_target
@@ -346,12 +347,9 @@ def all_reduce_leaves(
   """Arrays of one dtype -> each one's sum over the torus (``lax.psum(leaf, axes)``), with
   no copy around the leaves the leaf kernels take where they lie.
 
-  Every leaf with two or more dimensions whose second-minor one is a whole number of
-  tiles goes to ``leaf_kernels`` in its own shape (or with its two minor dimensions
-  swapped, where XLA lays it out minor dimension first: ``leaf_grid.kernel_view``), so the
-  swap is a bitcast and no XLA op packs, reshapes or copies it. The others (vectors, a
-  stem convolution's kernel) are packed, zero-padded, into one more leaf of ``[rows,
-  128]``. One reduce-scatter and one all-gather call of
+  The leaves go to the kernels as ``kernel_leaves`` lays them out (each in its own shape,
+  or with its two minor dimensions swapped where that is a bitcast; the others packed
+  into one more leaf). One reduce-scatter and one all-gather call of
   ``schedule.default_variant(torus)`` take them all, aliased (up to
   ``MAX_LEAVES_PER_CALL`` leaves a pair; more run as several pairs). 16-bit floats
   travel in their own type and every hop adds in float32, as ``all_reduce`` does.
@@ -360,26 +358,68 @@ def all_reduce_leaves(
   torus = tuple(int(n) for n in torus)
   if not leaves or math.prod(torus) == 1:
     return leaves
+  kernel = kernel_leaves(leaves)
+  summed = []
+  for start in range(0, len(kernel), MAX_LEAVES_PER_CALL):
+    summed += _leaf_calls(kernel[start : start + MAX_LEAVES_PER_CALL], axes, torus)
+  return restored_leaves(summed, leaves)
+
+
+def split_all_reduce_leaves(
+  leaves: Sequence[jax.Array], axes: Sequence[str], torus: Sequence[int]
+) -> split_leaf_kernels.SplitLeafAllReduce:
+  """``all_reduce_leaves`` as a ``split_leaf_kernels.SplitLeafAllReduce``, issued one hop
+  at a time: the same leaves where they lie (``kernel_leaves``), no packing of the bucket
+  and no slicing of its sums; ``finish_parts`` returns each leaf's sum."""
+  leaves = list(leaves)
+  torus = tuple(int(n) for n in torus)
+  mesh_axes, _ = mesh_target()
+  kernel = kernel_leaves(leaves) if leaves and math.prod(torus) > 1 else []
+  return split_leaf_kernels.SplitLeafAllReduce(
+    [ensure_varying(x, tuple(axes)) for x in kernel],
+    axes,
+    torus,
+    mesh_axes,
+    restore=lambda summed: restored_leaves(summed, leaves) if kernel else leaves,
+    like=leaves,
+  )
+
+
+def kernel_leaves(leaves: Sequence[jax.Array]) -> list[jax.Array]:
+  """A bucket's leaves as the leaf kernels take them: every leaf with two or more
+  dimensions whose second-minor one is a whole number of tiles in its own shape, or with
+  its two minor dimensions swapped where XLA lays it out minor dimension first
+  (``leaf_grid.kernel_view``), so the swap is a bitcast and no XLA op packs, reshapes or
+  copies it; the others (vectors, a stem convolution's kernel) packed, zero-padded, into
+  one more leaf of ``[rows, 128]`` after them. ``restored_leaves`` inverts it.
+
+  Raises:
+    ValueError: leaves of several dtypes, or of a width other than 16 or 32 bits.
+  """
   itemsize = _shared_itemsize(leaves)
   views = [leaf_grid.kernel_view(leaf.shape, itemsize) for leaf in leaves]
-  kernel_leaves = [_swap(x) if v == "transposed" else x for x, v in zip(leaves, views) if v]
-  packed = [i for i, view in enumerate(views) if view is None and leaves[i].size]
-  unit = leaf_grid.unit_rows(itemsize)
+  kernel = [_swap(x) if v == "transposed" else x for x, v in zip(leaves, views) if v]
+  packed = [leaf.reshape(-1) for leaf, view in zip(leaves, views) if view is None and leaf.size]
   if packed:
-    flat = jnp.concatenate([leaves[i].reshape(-1) for i in packed])
-    kernel_leaves.append(_as_leaf(flat, ceil_div(flat.size, unit * LANES) * unit))
-  if not kernel_leaves:  # every leaf empty
-    return leaves
-  summed = []
-  for start in range(0, len(kernel_leaves), MAX_LEAVES_PER_CALL):
-    summed += _leaf_calls(kernel_leaves[start : start + MAX_LEAVES_PER_CALL], axes, torus)
+    flat = jnp.concatenate(packed)
+    unit = leaf_grid.unit_rows(itemsize)
+    kernel.append(_as_leaf(flat, ceil_div(flat.size, unit * LANES) * unit))
+  return kernel
+
+
+def restored_leaves(summed: Sequence[jax.Array], leaves: Sequence[jax.Array]) -> list:
+  """``kernel_leaves(leaves)``'s arrays summed -> the sums in ``leaves``' shapes (an empty
+  leaf's sum is itself)."""
+  itemsize = leaves[0].dtype.itemsize
+  views = [leaf_grid.kernel_view(leaf.shape, itemsize) for leaf in leaves]
+  packed = [i for i, view in enumerate(views) if view is None and leaves[i].size]
   out, sums = [], iter(summed)
   for leaf, view in zip(leaves, views):
     if view is not None:
       total = next(sums)
       out.append(_swap(total) if view == "transposed" else total)
     else:
-      out.append(None if leaf.size else leaf)  # an empty leaf's sum is itself
+      out.append(None if leaf.size else leaf)
   if packed:
     flat = next(sums).reshape(-1)
     ends = itertools.accumulate(leaves[i].size for i in packed)

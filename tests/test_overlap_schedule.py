@@ -371,3 +371,53 @@ def test_the_reports_update_after_applies_the_update_to_the_summed_gradient():
   assert float(value) == 3.0
   assert stepped.tolist() == [3.0, 3.0, 3.0]
   assert wrapped(lambda p: p.sum(), ("x",))(jnp.ones(2))[1].tolist() == [2.0, 2.0]
+
+
+def _leaf_call(name, pattern, operands, remote_bytes):
+  """A call of a leaf chain (``kernels.split_leaf_kernels``) declaring its hop's bytes."""
+  return (
+    f"  %{name} = (f32[8,128]{{1,0}}, s32[]{{:S(2)}}, s32[]{{:S(2)}}) custom-call({operands}), "
+    f'custom_call_target="tpu_custom_call", metadata={{op_name="jit(step)/gradient_summation/'
+    f'bucket_0/async_leaf_{pattern}/pallas_call"}}, backend_config={{"cost_estimate":'
+    f'{{"flops":"0","remote_bytes_transferred":"{remote_bytes}"}}}}'
+  )
+
+
+def _leaf_program(last_leaf="%get-tuple-element.2"):
+  return _program(
+    "  %p = f32[8,128]{1,0} parameter(0)",
+    "  %c = s32[2]{0} parameter(1)",
+    "  %k = s32[1]{0} parameter(2)",
+    _leaf_call("start", "reduce_scatter_start_x", "%c, %k, %p", 1000),
+    "  %get-tuple-element.1 = f32[8,128]{1,0} get-tuple-element(%start), index=0",
+    _fusion("fusion.1", 1500, "%p"),
+    _leaf_call("step", "all_gather_step_y", "%c, %k, %get-tuple-element.1", 3000),
+    "  %get-tuple-element.2 = f32[8,128]{1,0} get-tuple-element(%step), index=0",
+    _fusion("fusion.2", 1000, "%fusion.1"),
+    "  %copy.1 = f32[8,128]{1,0} copy(%get-tuple-element.2)",
+    _leaf_call("done", "all_gather_done_y", f"%c, %k, {last_leaf}", 0),
+  )
+
+
+def test_a_leaf_chain_goes_from_phase_to_phase_priced_by_its_declared_bytes():
+  """A leaf chain's calls change kind and axis within the chain (a reduce-scatter hop on
+  x, an all-gather hop on y), which is no problem; each hop is priced with the bytes its
+  call declares (``remote_bytes_transferred``), not its buffer's; a leaf that reaches the
+  next call through a copy is named."""
+  ops = hlo_schedule.entry_ops(_leaf_program())
+  calls = [op for op in ops if hlo_schedule.split_call(op)]
+  assert [hlo_schedule.is_leaf_call(op) for op in calls] == [True] * 3
+  assert [hlo_schedule.split_call(op) for op in calls] == [
+    ("reduce_scatter", "start", "x"),
+    ("all_gather", "step", "y"),
+    ("all_gather", "done", "y"),
+  ]
+  assert hlo_schedule.split_chains(ops) == [[3, 6, 10]]
+  assert hlo_schedule.split_schedule_problems(ops) == []
+  priced = []
+  hlo_schedule.timeline(ops, CLOCK, lambda op, nbytes: priced.append(nbytes) or 2e-6)
+  assert priced == [1000, 3000]
+  copied = hlo_schedule.entry_ops(_leaf_program(last_leaf="%copy.1"))
+  assert hlo_schedule.split_schedule_problems(copied) == [
+    "done takes copy.1, not a leaf call's output"
+  ]

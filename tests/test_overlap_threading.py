@@ -155,9 +155,10 @@ def test_each_bucket_overlaps_a_backward_matmul():
   order = _program_order(jaxpr, [])
   buckets = sorted({b for what, b in order if what == "call"})
   assert buckets == [0, 1, 2], order  # w3 and b, w2, w1
-  # Each bucket: 4 streams (2 rotations x 2 directions), 12 calls each on 2x4.
+  # Each bucket: 4 streams (2 rotations x 2 directions), one call per hop and a done
+  # each: 2 x (1 + 3) hops on 2x4, 9 calls.
   calls = {b: [i for i, (what, c) in enumerate(order) if c == b] for b in buckets}
-  assert all(len(c) == 4 * 12 for c in calls.values())
+  assert all(len(c) == 4 * 9 for c in calls.values())
   starts, dones = [calls[b][0] for b in buckets], [calls[b][-1] for b in buckets]
   last_matmul = max(i for i, (what, _) in enumerate(order) if what == "dot_general")
   # Every bucket but the last one produced has a backward matmul inside its window...

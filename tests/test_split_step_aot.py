@@ -7,11 +7,13 @@ kernels' gradients come in the order w4, w3, w2, w1, so the buckets are [w4, w3]
 [w2, w1], the last cut at the last backward convolution, which produces w1's: [w4, w3],
 [w2], [w1]. In the scheduled program (``testing.hlo_schedule``):
 
-* each bucket runs 2N streams, each a chain of start, steps and done per phase;
+* each bucket runs 2N streams, each a chain of one call per hop (of the reduce-scatter's
+  phases, then the all-gather's) and a done (``split_leaf_kernels``: the leaves where they
+  lie, no packing);
 * the chains of every bucket but the last start before a backward convolution and finish
   after one (the last holds the first layer's kernel alone, produced by the last backward
   convolution: nothing is left to overlap it);
-* every step and done takes its buffer from the previous call in place: no copy of a
+* every step and done takes its leaves from the previous call in place: no copy of a
   buffer that DMAs are writing (``split_schedule_problems``).
 
 The same invariants hold in the ResNet example's train step with ``config.grad_overlap``
@@ -81,7 +83,7 @@ def test_every_bucket_but_the_last_overlaps_a_backward_convolution(generation):
 
   chains = hlo_schedule.split_chains(ops)
   streams = 2 * len(live_axes)
-  calls = sum(2 * mesh.shape[a] for a in live_axes)  # a start to a done per phase
+  calls = sum(2 * (mesh.shape[a] - 1) for a in live_axes) + 1  # a call per hop, a done
   buckets = 3
   assert [len(c) for c in chains] == [calls] * (buckets * streams), chains
   assert hlo_schedule.split_schedule_problems(ops) == []

@@ -111,6 +111,11 @@ class CollectiveBackend:
   # taking them where they lie rather than packed into one buffer (the gradient
   # summation's buckets); None where the backend has none.
   all_reduce_leaves: Callable[..., list] | None = None
+  # The same issued one call at a time (``advance``, ``pin``, ``calls_left``, and
+  # ``finish_parts``, which returns each leaf's sum:
+  # ``kernels.split_leaf_kernels.SplitLeafAllReduce``), for threading through the
+  # backward pass with no packing; None where the backend has none.
+  split_all_reduce_leaves: Callable[..., Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +201,7 @@ def _load_pallas() -> CollectiveBackend:
     split_reduce_scatter=impl.split_reduce_scatter,
     split_all_gather=impl.split_all_gather,
     all_reduce_leaves=impl.all_reduce_leaves,
+    split_all_reduce_leaves=impl.split_all_reduce_leaves,
   )
 
 

@@ -43,6 +43,7 @@ OPS = (
   "split_all_reduce",
   "split_reduce_scatter",
   "split_all_gather",
+  "split_all_reduce_leaves",
 )
 # The registry op each check runs on (sharded_update needs reduce_scatter and all_gather).
 REGISTRY_OP = {
@@ -57,6 +58,7 @@ REGISTRY_OP = {
   "split_all_reduce": "all_reduce",
   "split_reduce_scatter": "reduce_scatter",
   "split_all_gather": "all_gather",
+  "split_all_reduce_leaves": "all_reduce",
 }
 # Ops where "xla" is more than lax called with the caller's arguments.
 XLA_CHECKED = ("all_reduce_gradients", "batch_norm", "sharded_update")
@@ -72,6 +74,7 @@ SPLIT = {
   "split_all_reduce": "split_all_reduce",
   "split_reduce_scatter": "split_reduce_scatter",
   "split_all_gather": "split_all_gather",
+  "split_all_reduce_leaves": "split_all_reduce_leaves",
 }
 # Per-device input sizes in bytes: a few elements (``FEW``, per device in the scatter's
 # chunks), then powers of 64 up to 64 MiB, cut at ``--max-bytes``.
@@ -227,15 +230,15 @@ def sizes(machine: Machine, dtype: str, p: int, quick: bool, max_bytes: int) -> 
   return list(dict.fromkeys(out))
 
 
-def _split_reason(name: str, machine: Machine) -> str | None:
+def _split_reason(name: str, op: str, machine: Machine) -> str | None:
   backend = registry.BACKENDS[name]
   if not backend.pallas_kernels and name != "pallas":
     try:
       functions = backend.load_collectives() if backend.load_collectives else None
     except Exception as e:  # noqa: BLE001 (a backend that cannot load is reported, not fatal)
       return f"its collective functions do not load: {e!r}"
-    if functions is None or functions.split_all_reduce is None:
-      return "no split collectives"
+    if functions is None or getattr(functions, SPLIT[op]) is None:
+      return f"no {SPLIT[op]}"
     return None
   if _needs_interpret(name, machine):
     return (
@@ -271,7 +274,7 @@ def _skip_reason(op: str, name: str, machine: Machine, interpret: bool) -> str |
       hint if backend.pallas_kernels else ""
     )
   if op in SPLIT:
-    return _split_reason(name, machine)
+    return _split_reason(name, op, machine)
   if op == "sharded_update" and importlib.util.find_spec("optax") is None:
     return "optax is not installed (pip install 'torus-collectives[optax]')"
   return None

@@ -207,7 +207,8 @@ def _sharded_update_check(case: Case, axes):
 
 def _split_check(case: Case, axes):
   p = case.devices
-  kind = case.op.removeprefix("split_")
+  kind = case.op.removeprefix("split_").removesuffix("_leaves")
+  leaves = case.op.endswith("_leaves")
   n = case.elements // p if kind == "all_gather" else case.elements
   m = case.elements // p
   c = registry.auto_rounding_bound(kind, case.dtype, p)
@@ -215,7 +216,8 @@ def _split_check(case: Case, axes):
   def body(x):
     functions = registry.collective_backend(case.impl)
     split = getattr(functions, case.op)(x, axes, case.torus)
-    got = split.finish()
+    # The leaf chain takes leaves (a 1-D one is packed into a [rows, 128] leaf).
+    got = split.finish_parts()[0] if leaves else split.finish()
     a = jnp.abs(x).astype(jnp.float32)
     if kind == "all_reduce":
       return got, lax.psum(x, axes), lax.psum(a, axes)
@@ -239,6 +241,7 @@ CHECKS = {
   "split_all_reduce": _split_check,
   "split_reduce_scatter": _split_check,
   "split_all_gather": _split_check,
+  "split_all_reduce_leaves": _split_check,
 }
 
 

@@ -62,9 +62,12 @@ _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
 _GROUPS = re.compile(r"replica_groups=mesh\[[^\]]*\] \{([^}]*)\}")
 _COLLECTIVE = re.compile(r" (" + "|".join(COLLECTIVE_OPCODES) + r")(?:-start)?\(")
+# A split collective's call: a ring phase's (``split_rings``) or a leaf chain's hop
+# (``split_leaf_kernels``, "leaf_"), its kind, direction, place in the chain and axis.
 _SPLIT_CALL = re.compile(
-  r"async_(all_gather|reduce_scatter)(_ccw)?_(start|step|done)_(\w+?)(?:/|$)"
+  r"async_(leaf_)?(all_gather|reduce_scatter)(_ccw)?_(start|step|done)_(\w+?)(?:/|$)"
 )
+_REMOTE_BYTES = re.compile(r'"remote_bytes_transferred":"?([0-9]+)')
 
 
 def is_convolution(op: Op) -> bool:
@@ -78,7 +81,14 @@ def split_call(op: Op) -> tuple[str, str, str] | None:
   if op.kind != "pallas":
     return None
   found = _SPLIT_CALL.search(op.op_name)
-  return (found.group(1), found.group(3), found.group(4)) if found else None
+  return (found.group(2), found.group(4), found.group(5)) if found else None
+
+
+def is_leaf_call(op: Op) -> bool:
+  """A call of a leaf chain (``split_leaf_kernels``): its hop moves ``op.remote_bytes``,
+  and its kind and axis change from phase to phase within one chain."""
+  found = _SPLIT_CALL.search(op.op_name) if op.kind == "pallas" else None
+  return bool(found and found.group(1))
 
 
 def split_link(op: Op) -> tuple[str, int]:
@@ -87,7 +97,7 @@ def split_link(op: Op) -> tuple[str, int]:
   found = _SPLIT_CALL.search(op.op_name)
   if op.kind != "pallas" or found is None:
     raise ValueError(f"{op.name} is not a split collective's call")
-  return found.group(4), -1 if found.group(2) else 1
+  return found.group(5), -1 if found.group(3) else 1
 
 
 def implied_clock(cycles: float, flops: float, peak_flops: float) -> float:
@@ -112,6 +122,7 @@ class Op:
   calls: str  # the fused computation, or ""
   axes: tuple[str, ...] | None  # mesh axes of its replica groups (of its body, if fused)
   collective: str = ""  # "all-reduce", "all-gather", ... (of its body, if fused), or ""
+  remote_bytes: int = 0  # a Pallas call's declared remote traffic (its cost estimate)
 
   @property
   def result_bytes(self) -> int:
@@ -190,6 +201,7 @@ def parse_instruction(line: str) -> Op | None:
     calls=calls.group(1) if calls else "",
     axes=_axes(groups.group(1)) if groups else None,
     collective=_collective_of(opcode),
+    remote_bytes=int(remote.group(1)) if (remote := _REMOTE_BYTES.search(attributes)) else 0,
   )
 
 
@@ -450,8 +462,8 @@ def split_chains(ops: list[Op]) -> list[list[int]]:
       key = bucket.group(1)
     elif call == "start":
       key = None
-    else:
-      key = op.operands[2 if kind == "reduce_scatter" else 1]
+    else:  # the buffer: after the coordinates and x (or the hop index, a leaf call's)
+      key = op.operands[2 if kind == "reduce_scatter" or is_leaf_call(op) else 1]
       while key in by_name and by_name[key].opcode in _PASSING:
         key = by_name[key].operands[0]
     chain = chain_of.get(key)
@@ -480,9 +492,11 @@ def split_schedule_problems(ops: list[Op]) -> list[str]:
     bucket, read by the first layer, has nothing before it to overlap);
   * a step or done whose buffer operand is not the previous call's output in place
     (through get-tuple-element and bitcast only: anything else would copy a buffer
-    that DMAs are writing);
+    that DMAs are writing); for a leaf chain's step or done, every operand after the
+    coordinates and the hop index (its leaves, slots and semaphores), which come from
+    the last call of the bucket, whichever stream's;
   * calls out of order: a start before the previous phase's done, a step or done after
-    a call of another phase."""
+    a call of another phase (a leaf chain's calls go from phase to phase within it)."""
   by_name = {op.name: op for op in ops}
   backward = [i for i, op in enumerate(ops) if is_backward_convolution(op)]
   convolutions = [i for i, op in enumerate(ops) if is_convolution(op)]
@@ -498,12 +512,16 @@ def split_schedule_problems(ops: list[Op]) -> list[str]:
         if call_before != "done":
           problems.append(f"{ops[index].name} starts before {ops[before].name} is done")
         continue
-      if call_before == "done" or axis != axis_before:
+      leaf = is_leaf_call(ops[index])
+      if call_before == "done" or (axis != axis_before and not leaf):
         problems.append(f"{ops[index].name} follows {ops[before].name}")
         continue
-      operand = ops[index].operands[2 if kind == "reduce_scatter" else 1]
-      while operand in by_name and by_name[operand].opcode in _PASSING:
-        operand = by_name[operand].operands[0]
+      if leaf:
+        sources = {_source(o, by_name) for o in ops[index].operands[2:]}
+        copied = sorted(o for o in sources if o not in by_name or not is_leaf_call(by_name[o]))
+        problems += [f"{ops[index].name} takes {o}, not a leaf call's output" for o in copied]
+        continue
+      operand = _source(ops[index].operands[2 if kind == "reduce_scatter" else 1], by_name)
       if operand != ops[before].name:
         problems.append(f"{ops[index].name} takes its buffer from {operand}, not in place")
   return problems
@@ -566,7 +584,8 @@ class _SplitHops:
     now += (op.cycles or 0) / clock_hz  # the call's own work on the TensorCore
     self.progress(now)
     if call != "done":
-      seconds = price(op, _first_array_bytes(op.result))
+      nbytes = op.remote_bytes if is_leaf_call(op) else _first_array_bytes(op.result)
+      seconds = price(op, nbytes)
       self.window[index] = _Hop(split_link(op), busy, seconds, seconds)
     return now
 

@@ -26,11 +26,16 @@ memory for the whole block, and wraps a few interpreter internals for its durati
   int32 arrays of interpreter semaphore ids (a semaphore's physical type is int32). A
   callback before the call tells the wrapped ``_allocate_semaphores`` to hand the kernel
   the ids of its semaphore inputs instead of fresh ones, and to record the fresh ids of
-  its semaphore outputs, which a callback after the call returns. A call that returns
-  semaphores gets its other outputs as inputs instead (the interpreter never reads an
-  input back when the call ends); an output aliased to an input is that input. After the
-  call, each such buffer that a DMA counted on one of the call's semaphore outputs
-  writes into (``dma_start`` is wrapped to record destinations) is *in flight*: XLA gets a
+  its semaphore outputs, which a callback after the call returns. A call with semaphore
+  inputs or outputs gets its other outputs as inputs instead (the interpreter never reads
+  an input back when the call ends); an output aliased to an input is that input. After
+  the call, each such buffer that a DMA counted on a *live* semaphore writes into is *in
+  flight*: live, one that a call of this device returned and no later call of it has
+  taken (and so waited); a DMA into the buffer on any device counts (``dma_start`` is
+  wrapped to record destinations; buffer ids are allocated in one order on every device,
+  and a buffer that receives nothing on one device, a window of zero rows there, must stay
+  the same buffer there too). So a buffer stays in flight through calls that pass it on
+  while other calls' DMAs still land in it (several chains over one buffer). XLA gets a
   placeholder for it (a header naming the interpreter buffer, the rest uninitialized
   memory: NaN, or the maximum for integers), not its contents. The others are read
   back as the interpreter reads outputs (with the race check);
@@ -275,6 +280,7 @@ class _Plan:
   input_ids: list = dataclasses.field(default_factory=list)
   bound: dict = dataclasses.field(default_factory=dict)  # input position -> placeholder
   fresh_ids: dict = dataclasses.field(default_factory=dict)  # k -> ids
+  consumed: set = dataclasses.field(default_factory=set)  # the semaphore inputs' ids
 
 
 @dataclasses.dataclass
@@ -286,7 +292,9 @@ class Session:
   nonce: int
   plans: dict = dataclasses.field(default_factory=dict)  # device -> _Plan
   exported: dict = dataclasses.field(default_factory=dict)  # semaphore id -> call name
-  dma_targets: dict = dataclasses.field(default_factory=dict)  # (device, buffer) -> sems
+  dma_targets: dict = dataclasses.field(default_factory=dict)  # buffer id -> sems
+  # device -> the semaphores its calls returned and no later call of it took (waited).
+  live: dict = dataclasses.field(default_factory=dict)
   waits: dict = dataclasses.field(default_factory=dict)  # thread -> (sem, core, value, t0)
   lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
   deadlock: str | None = None
@@ -417,11 +425,13 @@ def _wrapped_dma_start(original):
   def dma_start(token, device_id, *args, **kwargs):
     # (src core, src space, src id, src transforms, dst space, dst id, dst transforms,
     # dst sem, src sem, dst device, ...)
-    dst_id, dst_sem_id, dst_device_id = args[5], args[7], args[9]
+    # Keyed by the buffer id alone: ids are allocated in one order on every device, so a
+    # buffer some device's DMAs land in stays in flight on every device (one whose window
+    # of it is empty too), and the devices' ids stay in step.
+    dst_id, dst_sem_id = args[5], args[7]
     session = _session()
-    target = int(device_id) if dst_device_id is None else int(dst_device_id)
     with session.lock:
-      session.dma_targets.setdefault((target, int(dst_id)), set()).add(int(dst_sem_id))
+      session.dma_targets.setdefault(int(dst_id), set()).add(int(dst_sem_id))
     return original(token, device_id, *args, **kwargs)
 
   return dma_start
@@ -604,20 +614,20 @@ class _SplitCall:
       raise NotImplementedError(f"{label}: aliased semaphores are not supported")
     of_output = {j: i for i, j in aliases.items()}
     plain_out = [j for j in range(no) if j not in self.sem_out]
-    # A call that returns semaphores gets its buffers as inputs (the interpreter reads
-    # no input back when the call ends): an aliased one is its input, a fresh one a new
-    # input of uninitialized memory.
-    self.returned = plain_out if self.sem_out else []
+    # A call with semaphores gets its buffers as inputs (the interpreter reads no input
+    # back when the call ends): an aliased one is its input, a fresh one a new input of
+    # uninitialized memory.
+    self.returned = plain_out if self.sem_out or self.sem_in else []
     for j in self.returned:
       space = ipc._forward_any_to_hbm(self.out_bms[j].transformed_block_aval.memory_space)
       if space is not ipc._HBM:
         raise NotImplementedError(
-          f"{label}: a call that returns semaphores must return its buffers in HBM "
+          f"{label}: a call with semaphore operands must return its buffers in HBM "
           f"(pl.ANY), not {space}"
         )
     self.kept_in = [i for i in range(ni) if i not in self.sem_in]
     self.fresh = [j for j in self.returned if j not in of_output]
-    self.kept_out = [] if self.sem_out else plain_out
+    self.kept_out = [] if self.returned else plain_out
     new_pos = {i: p for p, i in enumerate(self.kept_in)}
     # Where each returned buffer lives among the new inputs.
     self.buffer_pos = {
@@ -687,12 +697,14 @@ class _SplitCall:
       semaphores=[("bind", np.array(ids)) for ids in sem_ids]
       + [("fresh", j) for j in self.sem_out],
       num_inputs=self.num_inputs,
+      consumed={int(i) for ids in sem_ids for i in np.asarray(ids).reshape(-1)},
     )
     return np.int32(0)
 
   def after(self, device_id):
     """On each device after the call: the semaphore outputs' ids, the returned buffers
-    (placeholders where a DMA counted on those semaphores writes them)."""
+    (placeholders where a DMA counted on a live semaphore writes them: one a call of this
+    device returned and no later call of it has taken)."""
     ipc, _ = _internals()
     s = _session()
     device = int(device_id)
@@ -706,13 +718,14 @@ class _SplitCall:
     exported = {int(i) for ids in sems for i in ids.reshape(-1)}
     with s.lock:
       s.exported.update(dict.fromkeys(exported, self.name))
+      live = s.live[device] = (s.live.get(device, set()) - plan.consumed) | exported
     buffers = []
     for j in self.returned:
       buffer_id = plan.input_ids[self.buffer_pos[j]]
       aval = self.out_bms[j].array_aval
       with s.lock:
-        counted_on = s.dma_targets.get((device, buffer_id), set())
-      if counted_on & exported:
+        counted_on = s.dma_targets.get(buffer_id, set())
+      if counted_on & live:
         buffers.append(_placeholder(s, device, buffer_id, aval.shape, aval.dtype))
       else:  # no DMA of this call lands in it: read it back as an output is read
         hbm = ipc.TPU_MEMORY_SPACE_IDXS[ipc._HBM]

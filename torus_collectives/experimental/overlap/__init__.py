@@ -135,7 +135,12 @@ from jax import lax
 from torus_collectives import axes, registry
 from torus_collectives._vma import mark_invariant
 from torus_collectives.collectives import AxisName
-from torus_collectives.experimental.overlap.executor import Executor, all_reduced
+from torus_collectives.experimental.overlap.executor import (
+  Executor,
+  Summation,
+  all_reduced,
+  summed_where_they_lie,
+)
 from torus_collectives.gradients import (
   DEFAULT_BUCKET_BYTES,
   all_reduce_gradients,
@@ -181,7 +186,7 @@ def value_and_summed_grad(
 
   def run(params, *args):
     registry.check_name(implementation)
-    if implementation != "auto" and _split_all_reduce(implementation) is None:
+    if implementation != "auto" and _summation(implementation, (), ()) is None:
       value, grads = grad_fn(params, *args)
       return value, then(
         all_reduce_gradients(
@@ -197,8 +202,8 @@ def value_and_summed_grad(
       step = registry.tuned_step(summation_request(grad_leaves, sizes))
       chosen, tuned_bucket = step or ("auto", None)
       chosen_bucket = tuned_bucket if bucket_bytes is None else bucket_bytes
-    split_all_reduce = _split_all_reduce(chosen)
-    if split_all_reduce is None:
+    summation = _summation(chosen, names, sizes)
+    if summation is None:
       value, grads = grad_fn(params, *args)
       return value, then(
         all_reduce_gradients(
@@ -216,7 +221,6 @@ def value_and_summed_grad(
       ]
       return then(jax.tree.unflatten(grad_tree, grads))
 
-    summation = all_reduced(split_all_reduce, names, sizes)
     threaded = Executor(summation, names, sizes, chosen_bucket or DEFAULT_BUCKET_BYTES)
     flat_args = jax.tree.leaves((params, *args))
     value_leaves, result = threaded.run(closed, flat_args, grad_leaves, gradient_then, update)
@@ -225,9 +229,15 @@ def value_and_summed_grad(
   return run
 
 
-def _split_all_reduce(implementation: str):
-  """The split all-reduce of a concrete ``implementation``, or None where it has none
+def _summation(implementation: str, names, sizes) -> Summation | None:
+  """How a concrete ``implementation`` sums a bucket threaded: its split all-reduce of
+  the leaves where they lie, else its flat split all-reduce; None where it has neither
   (then the summation is ``all_reduce_gradients`` after the backward pass)."""
   if implementation == "auto" or registry.runs_lax(implementation):
     return None
-  return registry.collective_backend(implementation).split_all_reduce
+  backend = registry.collective_backend(implementation)
+  if backend.split_all_reduce_leaves is not None:
+    return summed_where_they_lie(backend.split_all_reduce_leaves, names, sizes)
+  if backend.split_all_reduce is not None:
+    return all_reduced(backend.split_all_reduce, names, sizes)
+  return None

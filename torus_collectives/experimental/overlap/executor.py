@@ -41,23 +41,36 @@ from torus_collectives.gradients import GRADIENT_SCOPE
 @dataclasses.dataclass(frozen=True)
 class Summation:
   """How the threaded backward pass sums one bucket of gradient leaves: ``pack`` (the
-  leaves -> one flat buffer), ``start`` (the buffer -> its split collective, no call
-  issued yet) and ``width`` (a leaf -> the length of its piece of the result, the pieces
-  lying side by side in bucket order, padding after them)."""
+  leaves -> what the collective takes), ``start`` (that -> its split collective, no call
+  issued yet) and ``unpack`` (the collective's ``finish_parts`` and the bucket's leaves ->
+  each leaf's sum, of the leaf's size)."""
 
-  pack: Callable[[list[jax.Array]], jax.Array]
-  start: Callable[[jax.Array], Any]
-  width: Callable[[Any], int]
+  pack: Callable[[list[jax.Array]], Any]
+  start: Callable[[Any], Any]
+  unpack: Callable[[list[jax.Array], list], list[jax.Array]]
 
 
 def all_reduced(split_all_reduce, names, sizes) -> Summation:
-  """The all-reduce of ``value_and_summed_grad``: the leaves flattened side by side."""
+  """A flat split all-reduce: the leaves packed side by side into one buffer, their sums
+  sliced from its parts."""
   return Summation(
     pack=lambda leaves: ensure_varying(
       packing.pack([jnp.asarray(leaf).reshape(-1) for leaf in leaves]), names
     ),
     start=lambda flat: split_all_reduce(flat, names, sizes),
-    width=lambda leaf: math.prod(leaf.shape),
+    unpack=lambda parts, leaves: packing.unpack_parts(
+      parts, [math.prod(leaf.shape) for leaf in leaves]
+    ),
+  )
+
+
+def summed_where_they_lie(split_all_reduce_leaves, names, sizes) -> Summation:
+  """A split all-reduce of the leaves themselves (``registry.CollectiveBackend
+  .split_all_reduce_leaves``): nothing packed, and its parts are the leaves' sums."""
+  return Summation(
+    pack=list,
+    start=lambda leaves: split_all_reduce_leaves(leaves, names, sizes),
+    unpack=lambda parts, leaves: list(parts),
   )
 
 
@@ -135,14 +148,12 @@ class Executor:
   def _result(self, grad_leaves, gradient_then, threaded: bool):
     """``gradient_then`` of the summed leaves: after every call (``_finish_in_turn``), or
     (``threaded``) evaluated while the buckets still in flight issue theirs (``Tail``)."""
-    widths = [
-      [self.summation.width(grad_leaves[i]) for i in bucket] for bucket, _ in self.in_flight
-    ]
 
     def tail(*parts):  # the buckets' sums' parts, in start order -> gradient_then(leaves)
       summed: dict[int, jax.Array] = {}
-      for (bucket, _), bucket_parts, sizes in zip(self.in_flight, parts, widths):
-        summed.update(zip(bucket, packing.unpack_parts(bucket_parts, sizes)))
+      for (bucket, _), bucket_parts in zip(self.in_flight, parts):
+        leaves = [grad_leaves[i] for i in bucket]
+        summed.update(zip(bucket, self.summation.unpack(bucket_parts, leaves)))
       return gradient_then([summed[i] for i in range(len(grad_leaves))])
 
     if threaded:
@@ -161,11 +172,11 @@ class Executor:
         continue
       bucket = list(bucket)
       with jax.named_scope(GRADIENT_SCOPE):
-        flat = self.summation.pack([gradient(i) for i in bucket])
+        packed = self.summation.pack([gradient(i) for i in bucket])
         # After every communicating equation so far (they run in program order among
         # themselves; the split calls, in program order among themselves, follow them).
-        flat, _ = lax.optimization_barrier((flat, self.last_communicated))
-        split = self.summation.start(flat)
+        packed, _ = lax.optimization_barrier((packed, self.last_communicated))
+        split = self.summation.start(packed)
       self.scopes[id(split)] = (GRADIENT_SCOPE, len(self.in_flight))
       self.in_flight.append((bucket, split))
       if split.calls_left:
