@@ -285,9 +285,9 @@ def test_auto_in_value_and_summed_grad_threads_what_the_step_entry_measured(buck
   with it after the backward pass; none: "auto" as ``all_reduce_gradients`` decides."""
   tables.use_table(_step_table("pallas@2048"))
   program, sizes = _threaded_program(bucket_sizes)
-  assert "async_all_gather_done" in program and sizes == [2048]
+  assert "async_leaf_all_gather_done" in program and sizes == [2048]
   program, sizes = _threaded_program(bucket_sizes, bucket_bytes=SMALL_BUCKET)
-  assert "async_all_gather_done" in program and sizes == [SMALL_BUCKET]
+  assert "async_leaf_all_gather_done" in program and sizes == [SMALL_BUCKET]
   tables.use_table(_step_table(FAST_SMALL))
   program, sizes = _threaded_program(bucket_sizes)
   assert "async_" not in program and "impl=shard_map" in program and sizes == [SMALL_BUCKET]
