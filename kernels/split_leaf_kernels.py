@@ -180,15 +180,16 @@ def _at(template, k):
   return grid, dataclasses.replace(tr, step=k - first)
 
 
-def _hop_kernel(coords_ref, hop_ref, *refs, call: _Call, frames, counts):
+def _hop_kernel(coords_ref, hop_ref, *refs, call: _Call, frames, present):
   """One call (module doc, steps 1 to 3). ``refs``: the inputs (the leaves, aliased; the
   receive slots while the reduce-scatter runs; the semaphores of the hop waited for),
   the outputs (the leaves; the slots while hops still fill them; the semaphores of the
   hop started), then the scratch (a VMEM pair per leaf frame and the VMEM copies'
-  semaphores, where the call adds)."""
+  semaphores, where the call adds). ``present``: whether the slot inputs, the semaphore
+  inputs, the slot outputs and the semaphore outputs exist."""
   chain = call.chain
   n = len(chain.reduce.shapes)
-  slots_in, sems_in, slots_out, sems_out = counts
+  slots_in, sems_in, slots_out, sems_out = present
   it = iter(refs)
   take = lambda m: [next(it) for _ in range(m)]
   take(n)  # the leaves' inputs, aliased to the outputs
@@ -272,7 +273,7 @@ def _issue(chain: _Chain, k: int, leaves, slots, sems):
   call = _Call.of(chain, k)
   slots_in = 0 < k <= reduce_hops
   slots_out = k < reduce_hops
-  counts = (slots_in, k > 0, slots_out, k < hops)
+  present = (slots_in, k > 0, slots_out, k < hops)
   adds = 0 < k <= reduce_hops
   frames, vmem = add_scratch(leaves, chain.reduce) if adds else ((), [])
   unit = chain.reduce.unit
@@ -295,7 +296,7 @@ def _issue(chain: _Chain, k: int, leaves, slots, sems):
     axis = tr.phase.axis
     barrier = _link_id(chain.axes[axis], chain.reduce.schedule.torus[axis], tr.phase.direction)
   outputs = pl.pallas_call(
-    functools.partial(_hop_kernel, call=call, frames=frames, counts=counts),
+    functools.partial(_hop_kernel, call=call, frames=frames, present=present),
     out_shape=out_shape,
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,

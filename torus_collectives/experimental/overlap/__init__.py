@@ -9,9 +9,10 @@ Three modules: ``plan`` computes every decision from the traced program (a froze
 best be scheduled by XLA; a Pallas kernel call holds the TensorCore from its first DMA to
 its last, and XLA places all of them after the backward pass (the whole transfer is
 exposed). Here the backward pass itself is re-run equation by equation with the collectives
-woven in, using the split kernels (``kernels.split_collectives``: a start, per-hop steps and
-a done per ring phase, each a separate Pallas call that returns while its DMAs are on the
-link):
+woven in, using split kernels: Pallas calls that return while their DMAs are on the link
+(``kernels.split_leaf_kernels``: one call per hop of each stream over the bucket's leaves
+where they lie, and a done; a backend with only a flat split all-reduce,
+``kernels.split_collectives``, gets the bucket packed into one buffer):
 
 1. ``jax.value_and_grad(fun)`` is traced to a jaxpr, and its calls (jit, custom_vjp, ...)
    are inlined (``inlining``), so every convolution and matmul of the backward pass is one
@@ -23,8 +24,9 @@ link):
    travels alone, since nothing is left to overlap it, and the rest of that bucket starts
    before it.
 3. The equations are evaluated in program order. As soon as the equation that produces a
-   bucket's last leaf has run, the bucket is packed into one flat buffer and its split
-   all-reduce is started (its first call issued).
+   bucket's last leaf has run, its split all-reduce is started on the leaves (its first
+   call issued): nothing is concatenated, reshaped or copied, and the sums come back in
+   the leaves' own buffers (``executor.summed_where_they_lie``).
 4. While collectives are in flight, the calls are tied to the backward pass by optimization
    barriers with the in-flight buffers (the async note's remedy; ``split_rings.pin``), which
    are data dependencies XLA cannot reorder:
@@ -62,10 +64,10 @@ link):
    Pallas calls too, but not relative to each other on a runtime that runs independent ops
    concurrently: the CPU interpreter); the value and aux come out of a barrier with the
    result.
-5. After the last equation, the sums are unpacked, scaled (``mean``) and cast back to the
+5. After the last equation, the sums are scaled (``mean``) and cast back to the
    leaves' dtypes. Without ``update``, the collectives still in flight first issue the calls
    they have left, one call of each in turn (so that their hops overlap one another's). With
-   ``update`` (the optimizer's step), the unpacking and ``update`` are traced as one
+   ``update`` (the optimizer's step), the scaling and ``update`` are traced as one
    program, the *tail*, and evaluated unit by unit while those calls are issued
    (``executor.Tail``): whatever reads only finished buckets' sums runs between the calls of
    the buckets still in flight (its reads of parameters and optimizer state pinned after
@@ -86,7 +88,8 @@ sums may round differently; integers are exact in both).
 Assumptions and limits:
 
 * ``implementation`` must have split collectives (``registry.CollectiveBackend
-  .split_all_reduce``: today "pallas"). Any other implementation is run as
+  .split_all_reduce_leaves`` or ``.split_all_reduce``: today "pallas", which has both and
+  uses the first). Any other implementation is run as
   ``value_and_grad`` followed by ``all_reduce_gradients``, unchanged (XLA's collectives are
   scheduled by XLA: ``torus_collectives.xla_settings``).
 * "auto" runs what a whole-step tuning (``tuning.step_tuning.tune_step``) measured for this
@@ -96,15 +99,14 @@ Assumptions and limits:
   threaded form; otherwise ``all_reduce_gradients(implementation="auto")``.
 * Only the default transport (the leaves' own dtype); ``transport_dtype`` and error feedback
   go through ``all_reduce_gradients``.
-* The pins and the packing still cost compute: by the compiler's estimate for ResNet-50 on
-  v5e:16x16 the threaded step computes more than the blocking one, and more than the
-  transfer it hides, so it is not faster than XLA's default step (``bench.overlap_report
-  --grad-overlap on``, against ``--implementation xla``; compiler estimates and the cost
-  model, with the figures by op category in the documentation's design log). The costs: the
-  batch norms' backward reductions run apart from the convolutions that the blocking step
-  fuses them into, slices of the summed parts that the update writes out, concatenations of
-  leaves cut from two stream parts, the cut of each packed bucket into its streams' parts,
-  and elementwise work.
+* The pins still cost a little compute: a batch norm's backward reductions pinned after a
+  call run apart from the convolution that the plain step fuses them into. With the leaves
+  summed where they lie there is no other: by the compiler's estimate for ResNet-50 on
+  v5e:16x16 the threaded step computes about what XLA's default step does and hides most
+  of the transfer (``bench.overlap_report --grad-overlap on``, against ``--implementation
+  xla``; compiler estimates and the cost model, with the figures by op category in the
+  documentation's design log). Each call also waits at its link's barrier for the
+  neighbour to enter it, a latency the model does not price.
 * The tail's windows are its units, one or more a window; a leaf's update pass is never
   split. ResNet-50's is a few large kernel updates beside many small scales; spaced evenly
   in bytes (``plan.call_spacing``), every call of the last buckets gets a window with work
