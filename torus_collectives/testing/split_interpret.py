@@ -79,7 +79,7 @@ Where it stops (what it cannot model):
   problems) are the compiler's, and are checked on compiled HLO, not here.
 * Semaphore values are the interpreter's ids: arithmetic on them, or passing one to
   another device, is meaningless. Semaphore outputs cannot be aliased to inputs; the
-  buffers a semaphore-returning call gives back must live in HBM / ``pl.ANY``; in-flight
+  buffers a call with semaphore operands gives back must live in HBM / ``pl.ANY``; in-flight
   buffers must hold at least 20 bytes (the placeholder's header).
 * One shared memory per block: buffers are never freed inside it, and ids are int16 in
   the interpreter, so a block runs some thousands of calls, not millions. Every call in
