@@ -196,3 +196,19 @@ class LeafGrid:
 
   def elements(self, leaf: int) -> int:
     return math.prod(self.shapes[leaf])
+
+
+def all_reduce_grids(
+  shapes: Sequence[Sequence[int]], itemsize: int, torus: Sequence[int]
+) -> tuple[LeafGrid, LeafGrid]:
+  """The grids of an all-reduce of leaves of ``shapes`` over ``torus``: the
+  reduce-scatter's and the all-gather's of ``schedule.default_variant(torus)``, which cut
+  every leaf alike, so the all-gather sends each device's parts from where the
+  reduce-scatter left them."""
+  shapes = tuple(tuple(s) for s in shapes)
+  variant = schedule_lib.default_variant(torus)
+  reduce, gather = (
+    LeafGrid(shapes, itemsize, schedule_lib.build(kind, torus, variant))
+    for kind in ("reduce_scatter", "all_gather")
+  )
+  return reduce, gather

@@ -329,13 +329,8 @@ MAX_LEAVES_PER_CALL = 64
 def _leaf_calls(leaves: list[jax.Array], axes, torus) -> list[jax.Array]:
   """The leaf kernels' reduce-scatter then all-gather of ``leaves``, aliased."""
   mesh_axes, _ = mesh_target()
-  variant = schedule_lib.default_variant(torus)
-  itemsize = leaves[0].dtype.itemsize
-  shapes = tuple(tuple(x.shape) for x in leaves)
-  rs, ag = (
-    leaf_grid.LeafGrid(shapes, itemsize, schedule_lib.build(kind, torus, variant))
-    for kind in ("reduce_scatter", "all_gather")
-  )
+  shapes = [x.shape for x in leaves]
+  rs, ag = leaf_grid.all_reduce_grids(shapes, leaves[0].dtype.itemsize, torus)
   summed = [ensure_varying(x, axes) for x in leaves]
   summed = leaf_kernels.reduce_scatter_call(summed, rs, axes, mesh_axes)
   return leaf_kernels.all_gather_call(summed, ag, axes, mesh_axes)

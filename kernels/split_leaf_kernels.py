@@ -80,7 +80,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from torus_collectives import schedule as schedule_lib
-from torus_collectives.kernels.leaf_grid import LeafGrid
+from torus_collectives.kernels.leaf_grid import LeafGrid, all_reduce_grids
 from torus_collectives.kernels.leaf_kernels import Ranges, add_rows, add_scratch, frame, window
 from torus_collectives.kernels.remote_dma import (
   Topology,
@@ -274,25 +274,25 @@ def _issue(chain: _Chain, k: int, leaves, slots, sems):
   slots_in = 0 < k <= reduce_hops
   slots_out = k < reduce_hops
   present = (slots_in, k > 0, slots_out, k < hops)
-  adds = 0 < k <= reduce_hops
-  frames, vmem = add_scratch(leaves, chain.reduce) if adds else ((), [])
-  unit = chain.reduce.unit
-  slot_types = [
-    hbm_like(x, (*x.shape[:-2], _SLOTS * chain.slot_units(i) * unit, x.shape[-1]))
-    for i, x in enumerate(leaves)
-  ]
+  # The call that waits for a reduce-scatter hop (it takes the slots) adds what it brought.
+  frames, vmem = add_scratch(leaves, chain.reduce) if slots_in else ((), [])
   operands = [*leaves, *(slots if slots_in else []), *(sems if k > 0 else [])]
   in_specs = [_ANY] * (n + (n if slots_in else 0)) + ([_SEM, _SEM] if k > 0 else [])
   out_shape = [hbm_like(leaf, leaf.shape) for leaf in leaves]
-  out_shape += slot_types if slots_out else []
+  if slots_out:
+    unit = chain.reduce.unit
+    out_shape += [
+      hbm_like(x, (*x.shape[:-2], _SLOTS * chain.slot_units(i) * unit, x.shape[-1]))
+      for i, x in enumerate(leaves)
+    ]
   out_shape += [_DMA_SEM, _DMA_SEM] if k < hops else []
   out_specs = [_ANY] * (n + (n if slots_out else 0)) + ([_SEM, _SEM] if k < hops else [])
   aliases = {2 + i: i for i in range(n)}  # after the coordinates and the hop index
   if slots_in and slots_out:
     aliases.update({2 + n + i: n + i for i in range(n)})
-  _, tr, _ = call.sends or call.waits
   barrier = None
   if call.sends is not None:
+    _, tr, _ = call.sends
     axis = tr.phase.axis
     barrier = _link_id(chain.axes[axis], chain.reduce.schedule.torus[axis], tr.phase.direction)
   outputs = pl.pallas_call(
@@ -302,7 +302,7 @@ def _issue(chain: _Chain, k: int, leaves, slots, sems):
       num_scalar_prefetch=2,
       in_specs=in_specs,
       out_specs=out_specs,
-      scratch_shapes=[*vmem, pltpu.SemaphoreType.DMA((3,))] if adds else [],
+      scratch_shapes=[*vmem, pltpu.SemaphoreType.DMA((3,))] if slots_in else [],
     ),
     input_output_aliases=aliases,
     cost_estimate=_cost(chain, k),
@@ -355,13 +355,8 @@ class SplitLeafAllReduce:
     self._chains: list[_Chain] = []
     if live and leaves:
       sizes = tuple(n for _, n in live)
-      variant = schedule_lib.default_variant(sizes)
-      shapes = tuple(tuple(x.shape) for x in leaves)
-      itemsize = leaves[0].dtype.itemsize
-      reduce, gather = (
-        LeafGrid(shapes, itemsize, schedule_lib.build(kind, sizes, variant))
-        for kind in ("reduce_scatter", "all_gather")
-      )
+      shapes = [x.shape for x in leaves]
+      reduce, gather = all_reduce_grids(shapes, leaves[0].dtype.itemsize, sizes)
       names = tuple(name for name, _ in live)
       self._chains = [
         _Chain(reduce, gather, s, names, self.mesh_axes) for s in range(reduce.schedule.num_streams)

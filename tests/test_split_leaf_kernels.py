@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 from jax import lax
 
-from torus_collectives import schedule as schedule_lib
 from torus_collectives.kernels import leaf_grid, pallas_backend, split_leaf_kernels
 from torus_collectives.testing.split_interpret import async_interpret_mode
 
@@ -68,11 +67,7 @@ def test_split_leaf_all_reduce_matches_psum(mode, shape, dtype):
 
 
 def _chains(torus, shapes, itemsize=4):
-  variant = schedule_lib.default_variant(torus)
-  reduce, gather = (
-    leaf_grid.LeafGrid(tuple(shapes), itemsize, schedule_lib.build(kind, torus, variant))
-    for kind in ("reduce_scatter", "all_gather")
-  )
+  reduce, gather = leaf_grid.all_reduce_grids(shapes, itemsize, torus)
   names = ("x", "y", "z")[: len(torus)]
   return [
     split_leaf_kernels._Chain(reduce, gather, s, names, names)
