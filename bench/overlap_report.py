@@ -226,12 +226,10 @@ def step_timeline(compiled_text: str, mesh, generation: str, clock_hz: float):
 
   def price(op, nbytes):
     split = hlo_schedule.split_call(op)
-    if split is not None:  # one ring hop of a split collective; nbytes: the call's buffer
-      kind, _, axis = split  # (a leaf chain's call: the bytes its hop sends)
+    if split is not None:  # one ring hop of a split collective; nbytes: what it sends
+      kind, _, axis = split
       n = sizes[axis]
-      leaf = hlo_schedule.is_leaf_call(op)
-      chunk = nbytes if leaf else nbytes // (n if kind == "all_gather" else n - 1)
-      ring = cost_model.predict(kind, (n,), "ring", n * chunk, generation)
+      ring = cost_model.predict(kind, (n,), "ring", n * nbytes, generation)
       return ring.time_s / (n - 1)
     axes = tuple(sizes) if op.kind == "pallas" else (op.axes or tuple(sizes))
     torus = tuple(sizes[a] for a in axes)

@@ -10,9 +10,8 @@
   packing), each leaf cut along its rows as ``leaf_grid`` says;
 * ``quantized_kernels``: the block-scaled (int8) all-reduce, reduce-scatter and
   all-gather, requantizing at every hop;
-* ``split_rings``: the split ring calls (a start, per-hop steps and a done, each a
-  separate Pallas call that returns while its DMAs are on the link);
-* ``split_collectives``: a whole split collective, the schedule's chains of those calls;
+* ``split_leaf_kernels``: the leaf kernels' all-reduce as chains of Pallas calls (a
+  start, one per hop and a done, each returning while its DMAs are on the link);
 * ``pallas_backend``: the collective backend contract of ``torus_collectives.registry``
   on top of them;
 * ``batch_norm``: the per-replica batch-norm passes as fused kernels.

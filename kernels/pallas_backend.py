@@ -73,7 +73,6 @@ from torus_collectives.kernels import (
   leaf_grid,
   leaf_kernels,
   quantized_kernels,
-  split_collectives,
   split_leaf_kernels,
   torus_kernels,
 )
@@ -250,69 +249,6 @@ def all_reduce(
   acc = plan.run_reduce_scatter(x.astype(work), plan.chunk_elements)
   # float32_partials: round the sums, then gather them.
   return plan.run_all_gather(acc.astype(x.dtype), n, plan.chunk_elements)
-
-
-def split_all_reduce(x: jax.Array, axes: Sequence[str], torus: Sequence[int]):
-  """``[n] -> [n]`` as a ``split_collectives.SplitCollective`` (issued one call at a time)
-  in the split torus variant (2N streams: every link of a chip busy): ``x`` zero-padded to
-  whole DMA words per device and stream, the padding cut off again by ``finish``. 32-bit
-  types and 16-bit floats; bfloat16 travels as bfloat16."""
-  _check(x, axes, torus)
-  mesh_axes, _ = mesh_target()
-  axes_and_sizes = list(zip(axes, torus))
-  streams = split_collectives.stream_count("all_reduce", axes_and_sizes, "torus_split")
-  n = x.size
-  padded = split_collectives.padded_elements(n, torus, x.dtype.itemsize, streams)
-  flat = ensure_varying(jnp.pad(x, (0, padded - n)), tuple(axes))
-  return split_collectives.SplitCollective(
-    "all_reduce", flat, axes_and_sizes, mesh_axes, result_elements=n, variant="torus_split"
-  )
-
-
-def split_reduce_scatter(x: jax.Array, axes: Sequence[str], torus: Sequence[int]):
-  """``[p*m] -> [m']`` as a ``split_collectives.SplitCollective`` in the torus variant (one
-  stream, lax's chunk order: device ``d`` keeps the sum of chunk ``d``). Each chunk is
-  zero-padded at its end to ``m'`` elements, whole DMA words; the result's first ``m``
-  elements are the sum (``finish`` cuts the padding off, ``finish_parts`` keeps it).
-
-  One stream, not the split torus variant's 2N (``split_collectives`` module doc): those
-  leave each device its chunk in another order, and putting the chunks back is a
-  transposition of every bucket, a copy of the whole buffer on each side of the step,
-  where one stream's chunks are already in place."""
-  _check(x, axes, torus)
-  mesh_axes, _ = mesh_target()
-  p = math.prod(torus)
-  m = x.size // p
-  padded = _padded_chunk(m, torus, x.dtype.itemsize)
-  rows = x.reshape(p, m) if padded == m else jnp.pad(x.reshape(p, m), ((0, 0), (0, padded - m)))
-  return split_collectives.SplitCollective(
-    "reduce_scatter",
-    ensure_varying(rows.reshape(-1), tuple(axes)),
-    list(zip(axes, torus)),
-    mesh_axes,
-    result_elements=m,
-  )
-
-
-def split_all_gather(x: jax.Array, axes: Sequence[str], torus: Sequence[int]):
-  """``[m] -> [p*m']`` as a ``split_collectives.SplitCollective`` in the torus variant (one
-  stream, as ``split_reduce_scatter``): ``x`` zero-padded at its end to ``m'`` elements,
-  whole DMA words, so the result is the ``[p, m']`` rows flattened, row ``d`` device
-  ``d``'s padded ``x``."""
-  _check(x, axes, torus)
-  mesh_axes, _ = mesh_target()
-  padded = _padded_chunk(x.size, torus, x.dtype.itemsize)
-  row = jnp.pad(x, (0, padded - x.size))  # 1-D: a [1, m] view would be laid out anew
-  return split_collectives.SplitCollective(
-    "all_gather", ensure_varying(row, tuple(axes)), list(zip(axes, torus)), mesh_axes
-  )
-
-
-def _padded_chunk(m: int, torus: Sequence[int], itemsize: int) -> int:
-  """The fewest elements ``>= m`` per device that a one-stream split collective over
-  ``torus`` takes: whole DMA words."""
-  p = math.prod(torus)
-  return split_collectives.padded_elements(p * m, torus, itemsize) // p
 
 
 def _as_leaf(x: jax.Array, rows: int) -> jax.Array:

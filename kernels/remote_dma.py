@@ -1,7 +1,7 @@
 """The remote-DMA protocol that every torus kernel family shares.
 
-The blocking kernels (``torus_kernels``), the leaf kernels (``leaf_kernels``), the split
-ring calls (``split_rings``) and the block-scaled kernels (``quantized_kernels``) all run
+The blocking kernels (``torus_kernels``), the leaf kernels (``leaf_kernels``), their split
+calls (``split_leaf_kernels``) and the block-scaled kernels (``quantized_kernels``) all run
 inside a ``shard_map`` that binds every axis of its mesh, address their neighbours by mesh
 coordinates, meet at an entry barrier before the first DMA, and stay within one semaphore
 budget. This module holds those parts, so that each family states only its own algorithm:

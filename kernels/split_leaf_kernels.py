@@ -5,7 +5,7 @@ TensorCore waits from the first DMA to the last, so the whole transfer is expose
 the same hops over the same leaves (``leaf_grid``: each leaf in its own shape, cut along
 its second-minor dimension, one window of each leaf per transfer) run as one Pallas call
 per hop, each returning while its DMAs are on the link (jax's start/done pattern for
-asynchronous Pallas calls, as ``split_rings`` runs a flat buffer's ring phases). Whoever
+asynchronous Pallas calls). Whoever
 drives the chain (``SplitLeafAllReduce.advance``) may place compute between the calls and
 pin it there (``pin``): how ``torus_collectives.experimental.overlap`` threads the gradient
 sum through the backward pass with no concatenation into buckets and no slice of the sums.
@@ -229,7 +229,8 @@ def _hop_kernel(coords_ref, hop_ref, *refs, call: _Call, frames, present):
     if call.sends is not None:
       dmas(grid, tr, k - 1, waited, sending=False, action=lambda c, s, d: c().wait_recv())
       dmas(grid, tr, k - 1, waited, sending=True, action=lambda c, s, d: c().wait_send())
-    else:  # no collective id: local descriptors of the same sizes (``split_rings``)
+    else:  # a wait only counts bytes off a local semaphore: with no collective id, Mosaic
+      # finds no mesh for a remote descriptor, so local ones of the same sizes
       dmas(grid, tr, k - 1, waited, sending=False, action=lambda c, s, d: _wait(d, recv))
       dmas(grid, tr, k - 1, waited, sending=True, action=lambda c, s, d: _wait(s, send))
     if tr.phase.kind == "reduce_scatter":
@@ -394,7 +395,8 @@ class SplitLeafAllReduce:
   def pin(self, values):
     """``values`` through one ``lax.optimization_barrier`` with the first leaf, which the
     next call takes: compute on what comes out runs after the last call issued, and the
-    next call waits for it (``split_rings.pin``)."""
+    next call waits for it. Only that leaf passes the barrier: the next call takes it, so
+    that orders the call too."""
     first, values = lax.optimization_barrier((self._leaves[0], values))
     self._leaves[0] = first
     return values

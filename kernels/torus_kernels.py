@@ -92,7 +92,7 @@ the outputs, the scratch; the reduce-scatter's scratch grouped in
 ``_ReduceScatterScratch``) and its statics as keywords. ``_reduce_scatter_kernel`` reads
 as the protocol above, step by step; the sections it runs (send, add a piece, free a
 slot, wait for the sends) and the addressing of the grid and the slots are the methods of
-``_ReduceScatter``. What these kernels share with the split calls (``split_rings``) and
+``_ReduceScatter``. What these kernels share with the split calls (``split_leaf_kernels``) and
 the block-scaled kernels (``quantized_kernels``) -- the topology, the entry barrier, the
 collective ids, the semaphore budget -- lives in ``remote_dma``.
 

@@ -112,7 +112,7 @@ def test_a_quick_dry_run_reports_what_ran(tmp_path):
     "--quick",
     "--interpret",
     "--impls=pallas,lax_torus",
-    "--ops=psum",
+    "--ops=psum,split_all_reduce_leaves",
     "--dtypes=float32",
     "--tori=8",
     "--max-bytes=16KiB",
@@ -120,21 +120,25 @@ def test_a_quick_dry_run_reports_what_ran(tmp_path):
     "--train-step=off",  # the next test times it
   )
   assert status == 0, stdout
-  verdict = "PASS: all 3 correctness cases agree with jax.lax (dry run on simulated CPU devices)"
+  verdict = "PASS: all 4 correctness cases agree with jax.lax (dry run on simulated CPU devices)"
   assert stdout.strip().splitlines()[-1] == f"VERDICT: {verdict}"
   assert md.splitlines()[2] == f"**Verdict: {verdict}**"
   assert "Dry run on simulated CPU devices" in md
   # Exactly the cases that ran: the matrix of the options, in the JSON and in the report.
-  # --quick runs interpreted kernels at the few elements only.
+  # --quick runs interpreted kernels at the few elements only; the split calls run in
+  # interpret mode through testing.split_interpret, and lax_torus has none.
   want = {
     "psum:pallas:float32:8:24",
     "psum:lax_torus:float32:8:24",
     "psum:lax_torus:float32:8:1024",
+    "split_all_reduce_leaves:pallas:float32:8:24",
   }
   ran = {c["id"] for c in results["correctness"]["cases"]}
   assert ran == want
-  listed = set(re.findall(r"^\| (psum:[\w:]+) \|", md, re.M))
+  listed = set(re.findall(r"^\| ((?:psum|split_all_reduce_leaves):[\w:]+) \|", md, re.M))
   assert listed == want
+  skipped = {s["id"]: s["reason"] for s in results["correctness"]["skipped"]}
+  assert skipped["split_all_reduce_leaves:lax_torus:*"] == "no split_all_reduce_leaves"
   # Stage 2 timed lax_torus against xla (interpreted kernels are not timed), in two runs.
   rows = results["measure"]["rows"]
   assert {(r["op"], r["impl"]) for r in rows} == {

@@ -20,7 +20,6 @@ MOVED_MODULES = [
   ("torus_collectives.overlap", "torus_collectives.experimental.overlap", "value_and_summed_grad"),
   ("torus_collectives.layout", "torus_collectives.tiling", "bn_view"),
   ("torus_collectives.configs", "torus_collectives.kernel_config", "KernelConfig"),
-  ("torus_collectives.kernels.async_torus", "torus_collectives.kernels.split_rings", "ring_start"),
   (
     "torus_collectives.weight_update.interpreter",
     "torus_collectives.weight_update.sharded_eval",

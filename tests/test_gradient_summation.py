@@ -10,7 +10,6 @@ from harness import per_device, sharded, small_integers
 from jax import lax
 
 import torus_collectives as tc
-from torus_collectives import packing
 
 
 def _tree(seed, dtype=jnp.float32):
@@ -134,27 +133,6 @@ def test_integer_transport_dtype_is_refused(implementation, transport_dtype):
 
 
 # Bucket packing: leaves that exactly fill a bucket share it.
-
-
-@pytest.mark.parametrize(
-  "part_lengths, widths",
-  [
-    ([8, 8, 8, 8], [3, 5, 8, 10, 4]),  # pieces inside a part, filling one, spanning two
-    ([8, 8], [16]),  # one piece across both parts
-    ([4, 4, 4], [2, 9]),  # spanning three parts, the padding (one element) left out
-    ([12], [5, 7]),
-  ],
-)
-def test_unpack_parts_equals_unpack_of_their_concatenation(part_lengths, widths):
-  """``packing.unpack_parts`` (the threaded summation's reader of a split collective's
-  stream parts) cuts the same pieces as ``unpack`` of the joined buffer, exactly."""
-  flat = np.arange(sum(part_lengths), dtype=np.float32)
-  parts = np.split(flat, np.cumsum(part_lengths)[:-1])
-  got = packing.unpack_parts([jnp.asarray(p) for p in parts], widths)
-  expected = packing.unpack(jnp.asarray(flat), widths)
-  assert [g.shape for g in got] == [(w,) for w in widths]
-  for g, e in zip(got, expected):
-    np.testing.assert_array_equal(g, e)
 
 
 def _count_primitives(jaxpr, name: str) -> int:

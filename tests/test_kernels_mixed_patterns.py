@@ -20,13 +20,13 @@ Two checks:
   keeps the suite's longest interpret-mode run to a couple of minutes;
 * every pallas_call of that program, including those inside the scan body, carries a
   collective id that no kernel of another (kind, axes, torus) pattern uses;
-* a split torus all-reduce (``kernels.split_collectives``: a bucket in flight) with the
-  blocking kernels of the step between its calls -- the batch-norm ring on ``y``, the 2-D
-  all-reduce, reduce-scatter and all-gather -- runs through the split-call extension
-  (``testing.split_interpret``) in both DMA modes, race detector on, and matches lax exactly on
-  integers; the extension's exit checks that every semaphore a split call returned was
-  waited back to zero. Its split calls carry collective ids that no blocking kernel uses,
-  and one id per pattern.
+* a split all-reduce of leaves (``kernels.split_leaf_kernels``: a gradient bucket in
+  flight) with the blocking kernels of the step between its calls -- the batch-norm ring
+  on ``y``, the 2-D all-reduce, reduce-scatter and all-gather -- runs through the
+  split-call extension (``testing.split_interpret``) in both DMA modes, race detector on,
+  and matches lax exactly on integers; the extension's exit checks that every semaphore a
+  split call returned was waited back to zero. Its split calls carry collective ids that
+  no blocking kernel uses, one per link (axis and direction).
 
 Interpret mode does not reproduce the hazard itself: it runs each device's kernel body as
 host callbacks and is not a timing model, so a device cannot reliably overtake its
@@ -49,7 +49,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
-from torus_collectives.kernels import split_collectives
+from torus_collectives.kernels import pallas_backend
 from torus_collectives.testing.split_interpret import async_interpret_mode
 
 AXES = ("x", "y")
@@ -159,12 +159,12 @@ def test_each_pattern_has_its_own_collective_id(shape):
 
 
 def split_between_blocking(g, v):
-  """A split all-reduce of ``g`` (four streams, as the gradient's) with the step's blocking
-  kernels on ``v`` between its calls, each pinned to the split sequence where it stands
-  (every device issues them in one order). Returns the split result and the blocking
-  kernels' results."""
-  axes = [(name, lax.axis_size(name)) for name in AXES]
-  split = split_collectives.SplitCollective("all_reduce", g, axes, AXES, variant="torus_split")
+  """A split all-reduce of ``g`` as a ``[rows, 128]`` leaf (four chains, as a gradient
+  bucket's) with the step's blocking kernels on ``v`` between its calls, each pinned to
+  the split sequence where it stands (every device issues them in one order). Returns the
+  split result and the blocking kernels' results."""
+  torus = [lax.axis_size(name) for name in AXES]
+  split = pallas_backend.split_all_reduce_leaves([g.reshape(-1, LANES)], AXES, torus)
   ar = lambda u, over: tc.all_reduce(u, over, implementation="pallas")
   blocking = [
     lambda u: ar(u.reshape(-1, CHANNELS).sum(0), "y"),
@@ -183,7 +183,7 @@ def split_between_blocking(g, v):
     (out,) = split.pin([kernel(u)])
     results.append(out)
     split.advance()
-  return split.finish(), results
+  return split.finish_parts()[0].reshape(-1), results
 
 
 def split_between_blocking_reference(g, v):
@@ -223,19 +223,24 @@ def test_split_calls_and_blocking_kernels_use_distinct_ids():
   )
   with async_interpret_mode("eager"):
     ids = _kernel_patterns(jax.make_jaxpr(fn)(g, v).jaxpr, mesh)
-  # A split pattern's start and step calls share its barrier id; its done uses none.
+  # The split calls that send share their link's barrier id; a done sends nothing and
+  # uses none.
   dones = ids.pop(None)
-  assert all(re.fullmatch(r"async_\w+_done_\w+", name) for name, _ in dones), dones
-  pattern = lambda name: re.sub(r"_(start|step)_", "_", name)
+  assert all(re.fullmatch(r"async_leaf_\w+_done_\w+", name) for name, _ in dones), dones
   split_ids = {cid for cid, group in ids.items() if all(n.startswith("async_") for n, _ in group)}
   blocking_ids = {
     cid for cid, group in ids.items() if all(n.startswith("torus_") for n, _ in group)
   }
   assert split_ids and blocking_ids and split_ids | blocking_ids == set(ids), ids
-  assert all(len({pattern(name) for name, _ in group}) == 1 for group in ids.values()), ids
+  link = lambda name: re.fullmatch(r"async_leaf_[a-z_]+?(_ccw)?_(start|step)_(\w+)", name).group(
+    1, 3
+  )
+  assert all(len({link(name) for name, _ in ids[cid]}) == 1 for cid in split_ids), ids
+  blocking_pattern = lambda name: re.sub(r"_(start|step)_", "_", name)
+  assert all(len({blocking_pattern(n) for n, _ in ids[cid]}) == 1 for cid in blocking_ids), ids
   # ring y and the 2-D torus, each as a reduce-scatter and an all-gather kernel; the split
-  # all-reduce's reduce-scatter and all-gather phases on x and on y, in both directions.
-  assert len(blocking_ids) == 4 and len(split_ids) == 8, ids
+  # calls' four links: x and y, in both directions.
+  assert len(blocking_ids) == 4 and len(split_ids) == 4, ids
 
 
 @pytest.mark.interpret

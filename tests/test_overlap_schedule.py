@@ -240,29 +240,26 @@ def test_the_report_counts_the_data_parallel_collectives():
 
 
 def _split_call(name, call, operands, bucket="bucket_0", ccw=False):
-  """A split all-gather call along "x" (``kernels.split_rings``) in a bucket's scope,
-  sending to the next device (``ccw``: the previous one)."""
-  result = "f32[4096]{0}" if call == "done" else "(f32[4096]{0}, s32[]{:S(2)}, s32[]{:S(2)})"
-  pattern = "async_all_gather_ccw" if ccw else "async_all_gather"
-  return (
-    f'  %{name} = {result} custom-call({operands}), custom_call_target="tpu_custom_call", '
-    f'metadata={{op_name="jit(step)/gradient_summation/{bucket}/{pattern}_{call}_x/'
-    f'pallas_call"}}'
-  )
+  """A leaf chain's all-gather call along "x" in a bucket's scope, sending to the next
+  device (``ccw``: the previous one) the 4096 bytes its cost estimate declares (a done
+  sends none)."""
+  pattern = f"all_gather{'_ccw' if ccw else ''}_{call}_x"
+  return _leaf_call(name, pattern, operands, 0 if call == "done" else 4096, bucket)
 
 
 def _split_program(done_operand="%get-tuple-element.2", conv_cycles=(1500, 1000)):
   return _program(
-    "  %p = f32[1024]{0} parameter(0)",
+    "  %p = f32[8,128]{1,0} parameter(0)",
     "  %c = s32[1]{0} parameter(1)",
-    _split_call("start", "start", "%c, %p"),
-    "  %get-tuple-element.1 = f32[4096]{0} get-tuple-element(%start), index=0",
+    "  %k = s32[1]{0} parameter(2)",
+    _split_call("start", "start", "%c, %k, %p"),
+    "  %get-tuple-element.1 = f32[8,128]{1,0} get-tuple-element(%start), index=0",
     _fusion("fusion.1", conv_cycles[0], "%p"),
-    _split_call("step", "step", "%c, %get-tuple-element.1"),
-    "  %get-tuple-element.2 = f32[4096]{0} get-tuple-element(%step), index=0",
+    _split_call("step", "step", "%c, %k, %get-tuple-element.1"),
+    "  %get-tuple-element.2 = f32[8,128]{1,0} get-tuple-element(%step), index=0",
     _fusion("fusion.2", conv_cycles[1], "%fusion.1"),
-    "  %copy.1 = f32[4096]{0} copy(%get-tuple-element.2)",
-    _split_call("done", "done", f"%c, {done_operand}"),
+    "  %copy.1 = f32[8,128]{1,0} copy(%get-tuple-element.2)",
+    _split_call("done", "done", f"%c, %k, {done_operand}"),
   )
 
 
@@ -276,10 +273,10 @@ def test_a_split_chain_is_priced_hop_by_hop():
     ("all_gather", "step", "x"),
     ("all_gather", "done", "x"),
   ]
-  assert hlo_schedule.split_chains(ops) == [[2, 5, 9]]
+  assert hlo_schedule.split_chains(ops) == [[3, 6, 10]]
   timeline = hlo_schedule.timeline(ops, CLOCK, _price)
   (row,) = timeline.rows
-  assert (row.name, row.kind, row.nbytes) == ("start", "split", 4096 + 4)
+  assert (row.name, row.kind, row.nbytes) == ("start", "split", 4096 + 4 + 4)
   assert row.modelled_s == pytest.approx(4e-6)
   assert row.covered_s == pytest.approx(2.5e-6)
   assert row.exposed_s == pytest.approx(1.5e-6)
@@ -295,13 +292,14 @@ def test_hops_in_flight_on_one_link_share_it(ccw, exposed):
   directions each has its link alone: the first done waits 1 us."""
   ops = hlo_schedule.entry_ops(
     _program(
-      "  %p = f32[1024]{0} parameter(0)",
+      "  %p = f32[8,128]{1,0} parameter(0)",
       "  %c = s32[1]{0} parameter(1)",
-      _split_call("start.0", "start", "%c, %p"),
-      _split_call("start.1", "start", "%c, %p", bucket="bucket_1", ccw=ccw),
+      "  %k = s32[1]{0} parameter(2)",
+      _split_call("start.0", "start", "%c, %k, %p"),
+      _split_call("start.1", "start", "%c, %k, %p", bucket="bucket_1", ccw=ccw),
       _fusion("fusion.1", 1000, "%p"),
-      _split_call("done.0", "done", "%c, %start.0"),
-      _split_call("done.1", "done", "%c, %start.1", bucket="bucket_1", ccw=ccw),
+      _split_call("done.0", "done", "%c, %k, %start.0"),
+      _split_call("done.1", "done", "%c, %k, %start.1", bucket="bucket_1", ccw=ccw),
     )
   )
   assert [hlo_schedule.split_link(op) for op in ops if hlo_schedule.split_call(op)] == [
@@ -320,14 +318,16 @@ def test_hops_in_flight_on_one_link_share_it(ccw, exposed):
 def test_split_schedule_problems_name_a_copied_buffer_and_an_empty_window():
   copied = hlo_schedule.entry_ops(_split_program(done_operand="%copy.1"))
   assert hlo_schedule.split_schedule_problems(copied) == [
-    "done takes its buffer from copy.1, not in place"
+    "done takes copy.1, not a split call's output"
   ]
   # The same chain with both convolutions of the forward pass: nothing of the backward
   # pass inside its window (and one backward convolution after it).
   text = _split_program().replace("transpose(jvp(Net))", "jvp(Net)")
   text = text.replace(
-    _split_call("done", "done", "%c, %get-tuple-element.2"),
-    _split_call("done", "done", "%c, %get-tuple-element.2") + "\n" + _fusion("fusion.3", 10, "%p"),
+    _split_call("done", "done", "%c, %k, %get-tuple-element.2"),
+    _split_call("done", "done", "%c, %k, %get-tuple-element.2")
+    + "\n"
+    + _fusion("fusion.3", 10, "%p"),
   )
   assert hlo_schedule.split_schedule_problems(hlo_schedule.entry_ops(text)) == [
     "start: no backward convolution between its first and last call"
@@ -347,10 +347,13 @@ def test_a_weight_gathers_chain_must_overlap_a_forward_convolution():
   assert problems(rest + convolutions) == []  # the first layer's: nothing before its read
   assert problems(convolutions + rest) == ["start: no convolution between its first and last call"]
   both = _program(
-    "  %p = f32[1024]{0} parameter(0)",
+    "  %p = f32[8,128]{1,0} parameter(0)",
     "  %c = s32[1]{0} parameter(1)",
-    _split_call("start", "start", "%c, %p"),
-    _split_call("start.1", "start", "%c, %p").replace("/gradient_summation/", "/weight_gather/"),
+    "  %k = s32[1]{0} parameter(2)",
+    _split_call("start", "start", "%c, %k, %p"),
+    _split_call("start.1", "start", "%c, %k, %p").replace(
+      "/gradient_summation/", "/weight_gather/"
+    ),
   )
   assert len(hlo_schedule.split_chains(hlo_schedule.entry_ops(both))) == 2
 
@@ -373,12 +376,12 @@ def test_the_reports_update_after_applies_the_update_to_the_summed_gradient():
   assert wrapped(lambda p: p.sum(), ("x",))(jnp.ones(2))[1].tolist() == [2.0, 2.0]
 
 
-def _leaf_call(name, pattern, operands, remote_bytes):
+def _leaf_call(name, pattern, operands, remote_bytes, bucket="bucket_0"):
   """A call of a leaf chain (``kernels.split_leaf_kernels``) declaring its hop's bytes."""
   return (
     f"  %{name} = (f32[8,128]{{1,0}}, s32[]{{:S(2)}}, s32[]{{:S(2)}}) custom-call({operands}), "
     f'custom_call_target="tpu_custom_call", metadata={{op_name="jit(step)/gradient_summation/'
-    f'bucket_0/async_leaf_{pattern}/pallas_call"}}, backend_config={{"cost_estimate":'
+    f'{bucket}/async_leaf_{pattern}/pallas_call"}}, backend_config={{"cost_estimate":'
     f'{{"flops":"0","remote_bytes_transferred":"{remote_bytes}"}}}}'
   )
 
@@ -406,7 +409,6 @@ def test_a_leaf_chain_goes_from_phase_to_phase_priced_by_its_declared_bytes():
   next call through a copy is named."""
   ops = hlo_schedule.entry_ops(_leaf_program())
   calls = [op for op in ops if hlo_schedule.split_call(op)]
-  assert [hlo_schedule.is_leaf_call(op) for op in calls] == [True] * 3
   assert [hlo_schedule.split_call(op) for op in calls] == [
     ("reduce_scatter", "start", "x"),
     ("all_gather", "step", "y"),
@@ -419,5 +421,5 @@ def test_a_leaf_chain_goes_from_phase_to_phase_priced_by_its_declared_bytes():
   assert priced == [1000, 3000]
   copied = hlo_schedule.entry_ops(_leaf_program(last_leaf="%copy.1"))
   assert hlo_schedule.split_schedule_problems(copied) == [
-    "done takes copy.1, not a leaf call's output"
+    "done takes copy.1, not a split call's output"
   ]

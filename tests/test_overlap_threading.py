@@ -326,7 +326,8 @@ def test_the_operand_that_waits_for_the_call_is_one_computation_produced():
 
 class _PinningSplit:
   """A stand-in for a split collective in flight: ``pin`` passes values through a barrier
-  with its buffer, as ``split_rings.pin`` does, and counts the barriers."""
+  with its buffer, as ``SplitLeafAllReduce.pin`` does with its first leaf, and counts the
+  barriers."""
 
   def __init__(self):
     self.buffer, self.pins = jnp.zeros((4,)), 0

@@ -132,25 +132,6 @@ def unpack(buffer: jax.Array, widths: Sequence[int], rows: int | None = None) ->
   return [grid[..., end - w : end] for w, end in zip(widths, ends)]
 
 
-def unpack_parts(parts: Sequence[jax.Array], widths: Sequence[int]) -> list[jax.Array]:
-  """``unpack`` of the flat buffer that ``parts`` (flat, in order) concatenate to, without
-  building it: each piece sliced from the parts it lies in (joined only where it spans
-  two), so no buffer of the whole is ever materialized. Elements past the pieces (the
-  padding) are left out."""
-  bounds = [0, *itertools.accumulate(p.shape[0] for p in parts)]
-  pieces, start = [], 0
-  for w in widths:
-    end = start + w
-    spans = [
-      part[max(start, lo) - lo : min(end, hi) - lo]
-      for part, lo, hi in zip(parts, bounds, bounds[1:])
-      if lo < end and start < hi
-    ]
-    pieces.append(spans[0] if len(spans) == 1 else jnp.concatenate(spans))
-    start = end
-  return pieces
-
-
 def through_buckets(
   collective: Callable[[jax.Array], jax.Array],
   pieces: Sequence[jax.Array],

@@ -98,15 +98,6 @@ class CollectiveBackend:
   reduce_scatter: Callable[..., jax.Array]
   all_gather: Callable[..., jax.Array]
   all_reduce: Callable[..., jax.Array]
-  # ``(x, axes, torus) ->`` a split all-reduce issued one call at a time (``advance``,
-  # ``pin``, ``finish``, ``calls_left``: ``kernels.split_collectives.SplitCollective``), for
-  # threading through the backward pass (``overlap``); None where the backend has none.
-  split_all_reduce: Callable[..., Any] | None = None
-  # The same for a tiled reduce-scatter (``[p*m] ->`` the sum of chunk ``d``, ``[m' >= m]``
-  # with padding after it) and all-gather (``[m] -> [p*m']``, the ``[p, m']`` rows flattened,
-  # each padded after its ``m``), verified by ``python -m torus_collectives.check``.
-  split_reduce_scatter: Callable[..., Any] | None = None
-  split_all_gather: Callable[..., Any] | None = None
   # ``(leaves, axes, torus) ->`` each leaf's sum, for arrays of one dtype and any shapes,
   # taking them where they lie rather than packed into one buffer (the gradient
   # summation's buckets); None where the backend has none.
@@ -197,9 +188,6 @@ def _load_pallas() -> CollectiveBackend:
     impl.reduce_scatter,
     impl.all_gather,
     impl.all_reduce,
-    split_all_reduce=impl.split_all_reduce,
-    split_reduce_scatter=impl.split_reduce_scatter,
-    split_all_gather=impl.split_all_gather,
     all_reduce_leaves=impl.all_reduce_leaves,
     split_all_reduce_leaves=impl.split_all_reduce_leaves,
   )

@@ -40,9 +40,6 @@ OPS = (
   "batch_norm",
   "psum_int8",
   "sharded_update",
-  "split_all_reduce",
-  "split_reduce_scatter",
-  "split_all_gather",
   "split_all_reduce_leaves",
 )
 # The registry op each check runs on (sharded_update needs reduce_scatter and all_gather).
@@ -55,9 +52,6 @@ REGISTRY_OP = {
   "batch_norm": "batch_norm",
   "psum_int8": "all_reduce",
   "sharded_update": "reduce_scatter",
-  "split_all_reduce": "all_reduce",
-  "split_reduce_scatter": "reduce_scatter",
-  "split_all_gather": "all_gather",
   "split_all_reduce_leaves": "all_reduce",
 }
 # Ops where "xla" is more than lax called with the caller's arguments.
@@ -71,9 +65,6 @@ FLOAT_ONLY = (
   "sharded_update",
 )
 SPLIT = {
-  "split_all_reduce": "split_all_reduce",
-  "split_reduce_scatter": "split_reduce_scatter",
-  "split_all_gather": "split_all_gather",
   "split_all_reduce_leaves": "split_all_reduce_leaves",
 }
 # Per-device input sizes in bytes: a few elements (``FEW``, per device in the scatter's
@@ -230,7 +221,7 @@ def sizes(machine: Machine, dtype: str, p: int, quick: bool, max_bytes: int) -> 
   return list(dict.fromkeys(out))
 
 
-def _split_reason(name: str, op: str, machine: Machine) -> str | None:
+def _split_reason(name: str, op: str) -> str | None:
   backend = registry.BACKENDS[name]
   if not backend.pallas_kernels and name != "pallas":
     try:
@@ -239,12 +230,6 @@ def _split_reason(name: str, op: str, machine: Machine) -> str | None:
       return f"its collective functions do not load: {e!r}"
     if functions is None or getattr(functions, SPLIT[op]) is None:
       return f"no {SPLIT[op]}"
-    return None
-  if _needs_interpret(name, machine):
-    return (
-      "split (start/step/done) kernels run on TPU only: jax's TPU interpret mode cannot "
-      "carry DMA semaphores from one call to the next"
-    )
   return None
 
 
@@ -274,7 +259,7 @@ def _skip_reason(op: str, name: str, machine: Machine, interpret: bool) -> str |
       hint if backend.pallas_kernels else ""
     )
   if op in SPLIT:
-    return _split_reason(name, op, machine)
+    return _split_reason(name, op)
   if op == "sharded_update" and importlib.util.find_spec("optax") is None:
     return "optax is not installed (pip install 'torus-collectives[optax]')"
   return None

@@ -398,6 +398,18 @@ def _stages(args) -> set[str]:
   return only
 
 
+def _size_the_cpu_pool(devices: int) -> None:
+  """Gives the case workers' XLA CPU pool the threads that split calls in interpret mode
+  need beside the collectives of ``devices`` simulated devices
+  (``testing.split_interpret.cpu_pool_problem``): ``NPROC``, raised if lower."""
+  from torus_collectives.testing.split_interpret import CPU_POOL_THREADS_PER_DEVICE
+
+  needed = CPU_POOL_THREADS_PER_DEVICE * devices
+  given = os.environ.get("NPROC", "")
+  if not given.isdigit() or int(given) < needed:
+    os.environ["NPROC"] = str(needed)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   only = _stages(args)
@@ -421,6 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tuple(found["physical"] or ()) or None,
   )
   _say(f"  {machine.device_count} x {machine.device_kind} ({machine.platform})")
+  if args.interpret and machine.platform == "cpu":
+    _size_the_cpu_pool(machine.device_count)
   dry_note = _dry_run_note(machine, args.interpret)
   durations: dict[str, float] = {}
   results: dict = {

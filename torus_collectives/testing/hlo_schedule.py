@@ -17,12 +17,13 @@ one step on one chip:
 * an asynchronous pair (``X-start`` ... ``X-done``, including XLA's
   ``async-collective-start``/``-done`` fusions) starts its transfer at the start and, at
   the done, waits only for what the compute scheduled between them did not cover;
-* a split collective (``torus_collectives.kernels.split_collectives``: Pallas calls named
-  ``async_<kind>_<start|step|done>_<axis>``, each handing its buffer to the next) is a
-  chain of such windows: each call but the done starts one ring hop's transfer, the next
-  call of its chain waits for what the compute between them did not cover, and each call
-  itself holds the TensorCore for its estimated cycles. The chain, over all its phases
-  (a done's result is the next phase's start's input), is one row. Hops in flight at once
+* a split collective (``torus_collectives.kernels.split_leaf_kernels``: Pallas calls named
+  ``async_leaf_<kind>[_ccw]_<start|step|done>_<axis>``, each handing the leaves to the
+  next) is a chain of such windows: each call but the done starts one hop's transfer,
+  priced by the bytes the call declares (``remote_bytes_transferred`` in its cost
+  estimate), the next call of its chain waits for what the compute between them did not
+  cover, and each call itself holds the TensorCore for its estimated cycles. The chain,
+  over all its phases, is one row. Hops in flight at once
   on the same directed link (a ring axis and direction: ``split_link``) share it: each
   progresses at ``1 / k`` of its own speed while ``k`` are unfinished there (processor
   sharing of the whole hop, its latency too, so contention is if anything overcharged;
@@ -62,10 +63,10 @@ _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
 _GROUPS = re.compile(r"replica_groups=mesh\[[^\]]*\] \{([^}]*)\}")
 _COLLECTIVE = re.compile(r" (" + "|".join(COLLECTIVE_OPCODES) + r")(?:-start)?\(")
-# A split collective's call: a ring phase's (``split_rings``) or a leaf chain's hop
-# (``split_leaf_kernels``, "leaf_"), its kind, direction, place in the chain and axis.
+# A split collective's call (a leaf chain's hop, ``split_leaf_kernels``): its kind,
+# direction, place in the chain and axis.
 _SPLIT_CALL = re.compile(
-  r"async_(leaf_)?(all_gather|reduce_scatter)(_ccw)?_(start|step|done)_(\w+?)(?:/|$)"
+  r"async_leaf_(all_gather|reduce_scatter)(_ccw)?_(start|step|done)_(\w+?)(?:/|$)"
 )
 _REMOTE_BYTES = re.compile(r'"remote_bytes_transferred":"?([0-9]+)')
 
@@ -81,14 +82,7 @@ def split_call(op: Op) -> tuple[str, str, str] | None:
   if op.kind != "pallas":
     return None
   found = _SPLIT_CALL.search(op.op_name)
-  return (found.group(2), found.group(4), found.group(5)) if found else None
-
-
-def is_leaf_call(op: Op) -> bool:
-  """A call of a leaf chain (``split_leaf_kernels``): its hop moves ``op.remote_bytes``,
-  and its kind and axis change from phase to phase within one chain."""
-  found = _SPLIT_CALL.search(op.op_name) if op.kind == "pallas" else None
-  return bool(found and found.group(1))
+  return (found.group(1), found.group(3), found.group(4)) if found else None
 
 
 def split_link(op: Op) -> tuple[str, int]:
@@ -97,7 +91,7 @@ def split_link(op: Op) -> tuple[str, int]:
   found = _SPLIT_CALL.search(op.op_name)
   if op.kind != "pallas" or found is None:
     raise ValueError(f"{op.name} is not a split collective's call")
-  return found.group(5), -1 if found.group(3) else 1
+  return found.group(4), -1 if found.group(2) else 1
 
 
 def implied_clock(cycles: float, flops: float, peak_flops: float) -> float:
@@ -448,7 +442,7 @@ def split_chains(ops: list[Op]) -> list[list[int]]:
   torus all-reduce), the calls of that scope:
   the calls of one chain depend on each other, so the schedule keeps their order, and a
   chain spans all its phases. Otherwise each call joins the chain of the call that
-  produced its buffer operand, and a start begins a chain (one per phase)."""
+  produced its first leaf, and a start begins a chain."""
   by_name = {op.name: op for op in ops}
   chains: list[list[int]] = []
   chain_of: dict[str, list[int]] = {}  # a call's name, or a bucket scope -> its chain
@@ -456,14 +450,14 @@ def split_chains(ops: list[Op]) -> list[list[int]]:
     split = split_call(op)
     if split is None:
       continue
-    kind, call, _ = split
+    _, call, _ = split
     bucket = _BUCKET.search(op.op_name)
     if bucket is not None:
       key = bucket.group(1)
     elif call == "start":
       key = None
-    else:  # the buffer: after the coordinates and x (or the hop index, a leaf call's)
-      key = op.operands[2 if kind == "reduce_scatter" or is_leaf_call(op) else 1]
+    else:  # the first leaf: after the coordinates and the hop index
+      key = op.operands[2]
       while key in by_name and by_name[key].opcode in _PASSING:
         key = by_name[key].operands[0]
     chain = chain_of.get(key)
@@ -490,13 +484,12 @@ def split_schedule_problems(ops: list[Op]) -> list[str]:
   * a weight gather's chain (threaded through the forward pass) that ends after the first
     convolution but has no convolution between its first call and its last (the first
     bucket, read by the first layer, has nothing before it to overlap);
-  * a step or done whose buffer operand is not the previous call's output in place
-    (through get-tuple-element and bitcast only: anything else would copy a buffer
-    that DMAs are writing); for a leaf chain's step or done, every operand after the
-    coordinates and the hop index (its leaves, slots and semaphores), which come from
-    the last call of the bucket, whichever stream's;
-  * calls out of order: a start before the previous phase's done, a step or done after
-    a call of another phase (a leaf chain's calls go from phase to phase within it)."""
+  * a step or done with an operand after the coordinates and the hop index (its leaves,
+    slots and semaphores) that is not a split call's output in place (through
+    get-tuple-element and bitcast only: anything else would copy a buffer that DMAs
+    are writing). They come from the last call of the bucket, whichever stream's;
+  * calls out of order: a start before the previous chain's done, a step or done after a
+    done."""
   by_name = {op.name: op for op in ops}
   backward = [i for i, op in enumerate(ops) if is_backward_convolution(op)]
   convolutions = [i for i, op in enumerate(ops) if is_convolution(op)]
@@ -506,24 +499,18 @@ def split_schedule_problems(ops: list[Op]) -> list[str]:
     if uncovered:
       problems.append(f"{ops[calls[0]].name}: no {uncovered} between its first and last call")
     for before, index in zip(calls, calls[1:]):
-      kind, call, axis = split_call(ops[index])
-      _, call_before, axis_before = split_call(ops[before])
+      _, call, _ = split_call(ops[index])
+      _, call_before, _ = split_call(ops[before])
       if call == "start":
         if call_before != "done":
           problems.append(f"{ops[index].name} starts before {ops[before].name} is done")
         continue
-      leaf = is_leaf_call(ops[index])
-      if call_before == "done" or (axis != axis_before and not leaf):
+      if call_before == "done":
         problems.append(f"{ops[index].name} follows {ops[before].name}")
         continue
-      if leaf:
-        sources = {_source(o, by_name) for o in ops[index].operands[2:]}
-        copied = sorted(o for o in sources if o not in by_name or not is_leaf_call(by_name[o]))
-        problems += [f"{ops[index].name} takes {o}, not a leaf call's output" for o in copied]
-        continue
-      operand = _source(ops[index].operands[2 if kind == "reduce_scatter" else 1], by_name)
-      if operand != ops[before].name:
-        problems.append(f"{ops[index].name} takes its buffer from {operand}, not in place")
+      sources = {_source(o, by_name) for o in ops[index].operands[2:]}
+      copied = sorted(o for o in sources if o not in by_name or not split_call(by_name[o]))
+      problems += [f"{ops[index].name} takes {o}, not a split call's output" for o in copied]
   return problems
 
 
@@ -584,8 +571,7 @@ class _SplitHops:
     now += (op.cycles or 0) / clock_hz  # the call's own work on the TensorCore
     self.progress(now)
     if call != "done":
-      nbytes = op.remote_bytes if is_leaf_call(op) else _first_array_bytes(op.result)
-      seconds = price(op, nbytes)
+      seconds = price(op, op.remote_bytes)
       self.window[index] = _Hop(split_link(op), busy, seconds, seconds)
     return now
 
@@ -615,9 +601,3 @@ class _SplitHops:
           if hop.remaining < 1e-15:
             hop.remaining = 0.0
       self.clock += step
-
-
-def _first_array_bytes(result: str) -> int:
-  """Bytes of the first array of a result (a call's buffer, before its semaphores)."""
-  found = _ARRAY.search(result)
-  return shape_bytes(found.group(0)) if found else 0

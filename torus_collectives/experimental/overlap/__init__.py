@@ -11,8 +11,7 @@ its last, and XLA places all of them after the backward pass (the whole transfer
 exposed). Here the backward pass itself is re-run equation by equation with the collectives
 woven in, using split kernels: Pallas calls that return while their DMAs are on the link
 (``kernels.split_leaf_kernels``: one call per hop of each stream over the bucket's leaves
-where they lie, and a done; a backend with only a flat split all-reduce,
-``kernels.split_collectives``, gets the bucket packed into one buffer):
+where they lie, and a done):
 
 1. ``jax.value_and_grad(fun)`` is traced to a jaxpr, and its calls (jit, custom_vjp, ...)
    are inlined (``inlining``), so every convolution and matmul of the backward pass is one
@@ -26,10 +25,10 @@ where they lie, and a done; a backend with only a flat split all-reduce,
 3. The equations are evaluated in program order. As soon as the equation that produces a
    bucket's last leaf has run, its split all-reduce is started on the leaves (its first
    call issued): nothing is concatenated, reshaped or copied, and the sums come back in
-   the leaves' own buffers (``executor.summed_where_they_lie``).
+   the leaves' own buffers (``registry.CollectiveBackend.split_all_reduce_leaves``).
 4. While collectives are in flight, the calls are tied to the backward pass by optimization
-   barriers with the in-flight buffers (the async note's remedy; ``split_rings.pin``), which
-   are data dependencies XLA cannot reorder:
+   barriers with the in-flight buffers (the async note's remedy;
+   ``SplitLeafAllReduce.pin``), which are data dependencies XLA cannot reorder:
 
    * *operand side*: each *pinned* equation (``PINNED``: a convolution or a matmul,
      ``HEAVY``, or a reduction such as a batch norm's sums) reads one operand less a zero
@@ -87,9 +86,8 @@ sums may round differently; integers are exact in both).
 
 Assumptions and limits:
 
-* ``implementation`` must have split collectives (``registry.CollectiveBackend
-  .split_all_reduce_leaves`` or ``.split_all_reduce``: today "pallas", which has both and
-  uses the first). Any other implementation is run as
+* ``implementation`` must have a split all-reduce of leaves (``registry.CollectiveBackend
+  .split_all_reduce_leaves``: today "pallas"). Any other implementation is run as
   ``value_and_grad`` followed by ``all_reduce_gradients``, unchanged (XLA's collectives are
   scheduled by XLA: ``torus_collectives.xla_settings``).
 * "auto" runs what a whole-step tuning (``tuning.step_tuning.tune_step``) measured for this
@@ -127,6 +125,7 @@ Assumptions and limits:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -137,12 +136,7 @@ from jax import lax
 from torus_collectives import axes, registry
 from torus_collectives._vma import mark_invariant
 from torus_collectives.collectives import AxisName
-from torus_collectives.experimental.overlap.executor import (
-  Executor,
-  Summation,
-  all_reduced,
-  summed_where_they_lie,
-)
+from torus_collectives.experimental.overlap.executor import Executor
 from torus_collectives.gradients import (
   DEFAULT_BUCKET_BYTES,
   all_reduce_gradients,
@@ -231,15 +225,13 @@ def value_and_summed_grad(
   return run
 
 
-def _summation(implementation: str, names, sizes) -> Summation | None:
-  """How a concrete ``implementation`` sums a bucket threaded: its split all-reduce of
-  the leaves where they lie, else its flat split all-reduce; None where it has neither
-  (then the summation is ``all_reduce_gradients`` after the backward pass)."""
+def _summation(implementation: str, names, sizes):
+  """How a concrete ``implementation`` starts a bucket's summation threaded: its split
+  all-reduce of the leaves where they lie; None where it has none (then the summation is
+  ``all_reduce_gradients`` after the backward pass)."""
   if implementation == "auto" or registry.runs_lax(implementation):
     return None
   backend = registry.collective_backend(implementation)
-  if backend.split_all_reduce_leaves is not None:
-    return summed_where_they_lie(backend.split_all_reduce_leaves, names, sizes)
-  if backend.split_all_reduce is not None:
-    return all_reduced(backend.split_all_reduce, names, sizes)
-  return None
+  if backend.split_all_reduce_leaves is None:
+    return None
+  return functools.partial(backend.split_all_reduce_leaves, axes=names, torus=sizes)

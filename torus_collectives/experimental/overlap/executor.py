@@ -12,7 +12,6 @@ collectives in flight.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import math
 from collections.abc import Callable
@@ -23,8 +22,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from torus_collectives import _jax_internals as jax_internals
-from torus_collectives import inlining, packing
-from torus_collectives._vma import ensure_varying, mark_invariant
+from torus_collectives import inlining
+from torus_collectives._vma import mark_invariant
 from torus_collectives.experimental.overlap.plan import (
   Plan,
   call_spacing,
@@ -38,49 +37,17 @@ from torus_collectives.experimental.overlap.plan import (
 from torus_collectives.gradients import GRADIENT_SCOPE
 
 
-@dataclasses.dataclass(frozen=True)
-class Summation:
-  """How the threaded backward pass sums one bucket of gradient leaves: ``pack`` (the
-  leaves -> what the collective takes), ``start`` (that -> its split collective, no call
-  issued yet) and ``unpack`` (the collective's ``finish_parts`` and the bucket's leaves ->
-  each leaf's sum, of the leaf's size)."""
-
-  pack: Callable[[list[jax.Array]], Any]
-  start: Callable[[Any], Any]
-  unpack: Callable[[list[jax.Array], list], list[jax.Array]]
-
-
-def all_reduced(split_all_reduce, names, sizes) -> Summation:
-  """A flat split all-reduce: the leaves packed side by side into one buffer, their sums
-  sliced from its parts."""
-  return Summation(
-    pack=lambda leaves: ensure_varying(
-      packing.pack([jnp.asarray(leaf).reshape(-1) for leaf in leaves]), names
-    ),
-    start=lambda flat: split_all_reduce(flat, names, sizes),
-    unpack=lambda parts, leaves: packing.unpack_parts(
-      parts, [math.prod(leaf.shape) for leaf in leaves]
-    ),
-  )
-
-
-def summed_where_they_lie(split_all_reduce_leaves, names, sizes) -> Summation:
-  """A split all-reduce of the leaves themselves (``registry.CollectiveBackend
-  .split_all_reduce_leaves``): nothing packed, and its parts are the leaves' sums."""
-  return Summation(
-    pack=list,
-    start=lambda leaves: split_all_reduce_leaves(leaves, names, sizes),
-    unpack=lambda parts, leaves: list(parts),
-  )
-
-
 class Executor:
   """The re-evaluation of one traced ``value_and_grad`` with summation woven in."""
 
-  def __init__(self, summation: Summation, names, sizes, bucket_bytes: int):
-    self.summation, self.names, self.sizes = summation, names, sizes
+  def __init__(self, start_summation, names, sizes, bucket_bytes: int):
+    # A bucket's leaves -> their split all-reduce, no call issued yet, whose
+    # ``finish_parts`` are the leaves' sums where they lie (``registry.CollectiveBackend
+    # .split_all_reduce_leaves``).
+    self.start_summation = start_summation
+    self.names, self.sizes = names, sizes
     self.bucket_bytes = bucket_bytes
-    self.in_flight: list[tuple[list[int], Any]] = []  # (leaf indices, SplitCollective)
+    self.in_flight: list[tuple[list[int], Any]] = []  # (leaf indices, its collective)
     self.plan: Plan | None = None  # the decisions (set by ``run``: ``plan.make_plan``)
     self.scopes: dict[int, tuple[str, int]] = {}  # id(split) -> (its scope, its start order)
     self.last_communicated: list[jax.Array] = []  # results of the last such equation
@@ -152,8 +119,7 @@ class Executor:
     def tail(*parts):  # the buckets' sums' parts, in start order -> gradient_then(leaves)
       summed: dict[int, jax.Array] = {}
       for (bucket, _), bucket_parts in zip(self.in_flight, parts):
-        leaves = [grad_leaves[i] for i in bucket]
-        summed.update(zip(bucket, self.summation.unpack(bucket_parts, leaves)))
+        summed.update(zip(bucket, bucket_parts))
       return gradient_then([summed[i] for i in range(len(grad_leaves))])
 
     if threaded:
@@ -172,11 +138,11 @@ class Executor:
         continue
       bucket = list(bucket)
       with jax.named_scope(GRADIENT_SCOPE):
-        packed = self.summation.pack([gradient(i) for i in bucket])
+        leaves = [gradient(i) for i in bucket]
         # After every communicating equation so far (they run in program order among
         # themselves; the split calls, in program order among themselves, follow them).
-        packed, _ = lax.optimization_barrier((packed, self.last_communicated))
-        split = self.summation.start(packed)
+        leaves, _ = lax.optimization_barrier((leaves, self.last_communicated))
+        split = self.start_summation(leaves)
       self.scopes[id(split)] = (GRADIENT_SCOPE, len(self.in_flight))
       self.in_flight.append((bucket, split))
       if split.calls_left:
