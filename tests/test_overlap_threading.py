@@ -2,11 +2,11 @@
 (``torus_collectives.experimental.overlap``: its plan, its executor, its public function).
 
 * In TPU interpret mode through the split-call extension (``testing.split_interpret``), race
-  detector on, both DMA execution modes: ``value_and_summed_grad(implementation="pallas")``
-  of a three-layer network with small-integer weights and inputs (every gradient an exact
-  integer) equals ``jax.value_and_grad`` followed by ``lax.psum`` (``mean=False``) and
-  ``lax.pmean`` (``mean=True``), exactly, with buckets small enough that several are in
-  flight at once.
+  detector on: ``value_and_summed_grad(implementation="pallas")`` of a three-layer network
+  with small-integer weights and inputs (every gradient an exact integer) equals
+  ``jax.value_and_grad`` followed by ``lax.psum`` (``mean=False``, DMAs eager), and with
+  the update threaded, the update of ``lax.pmean`` (``mean=True``, DMAs on wait), exactly,
+  with buckets small enough that several are in flight at once.
 * In the traced program, each bucket's start comes after the equation producing its last
   leaf and before at least one later backward matmul, and its done after that matmul.
 * The operand that waits for the last call is one computation produced, not an input
@@ -110,16 +110,17 @@ def _inputs():
   return x, _params()
 
 
+# Each interpreted run takes half a minute, so the two paths (the calls left issued in
+# turn after the backward pass; the update threaded between them) split the DMA modes and
+# the two reductions between them.
 @pytest.mark.interpret
-@pytest.mark.parametrize(
-  "mode, mean", [("eager", False), ("on_wait", True)], ids=["eager-sum", "on_wait-mean"]
-)
-def test_threaded_summation_matches_lax(mode, mean):
-  with async_interpret_mode(mode, deadlock_timeout_s=60.0):
-    values = jax.block_until_ready(_step(mean)(*_inputs()))
-  grads = _check_against_the_reference(mean, values)
-  if not mean:  # integers: the sums are exact whatever the order
-    assert all(np.all(g == np.round(g)) for g in grads.values())
+def test_threaded_summation_matches_lax():
+  """Eager DMAs, the sum (``mean=False``)."""
+  with async_interpret_mode("eager", deadlock_timeout_s=60.0):
+    values = jax.block_until_ready(_step(False)(*_inputs()))
+  grads = _check_against_the_reference(False, values)
+  # integers: the sums are exact whatever the order
+  assert all(np.all(g == np.round(g)) for g in grads.values())
 
 
 def _program_order(jaxpr, out, also=()):
@@ -193,15 +194,12 @@ def test_the_last_bucket_is_cut_at_the_last_matmul():
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize(
-  "mode, mean", [("eager", False), ("on_wait", True)], ids=["eager", "on_wait"]
-)
-def test_threaded_update_matches_lax(mode, mean):
+def test_threaded_update_matches_lax():
   """``update`` threaded with the buckets in flight gives what it gives on the summed
-  gradient, exactly (every value an integer, or one over 8 of one)."""
-  with async_interpret_mode(mode, deadlock_timeout_s=60.0):
-    value, (stepped, total) = jax.block_until_ready(_step(mean, update=_sgd)(*_inputs()))
-  ref_value, (ref_stepped, ref_total) = _step(mean, reference=True, update=_sgd)(*_inputs())
+  gradient, exactly (every value one over 8 of an integer): DMAs on wait, the mean."""
+  with async_interpret_mode("on_wait", deadlock_timeout_s=60.0):
+    value, (stepped, total) = jax.block_until_ready(_step(True, update=_sgd)(*_inputs()))
+  ref_value, (ref_stepped, ref_total) = _step(True, reference=True, update=_sgd)(*_inputs())
   np.testing.assert_array_equal(value, ref_value)
   np.testing.assert_array_equal(total, ref_total)
   for name in ref_stepped:
