@@ -2,7 +2,7 @@
 
 A four-layer convolutional network's data-parallel step
 (``tc.experimental.value_and_summed_grad`` with the split Pallas all-reduce, buckets of
-two kernels) is compiled for v5e, v6e, v4 and a 3-D v5p mesh (needs libtpu). The
+two kernels) is compiled for v5e, v6e and a 3-D v5p mesh (needs libtpu). The
 kernels' gradients come in the order w4, w3, w2, w1, so the buckets are [w4, w3] and
 [w2, w1], the last cut at the last backward convolution, which produces w1's: [w4, w3],
 [w2], [w1]. In the scheduled program (``testing.hlo_schedule``):
@@ -21,7 +21,7 @@ kernels' gradients come in the order w4, w3, w2, w1, so the buckets are [w4, w3]
 The same invariants hold in the ResNet example's train step with ``config.grad_overlap``
 (the tiny ResNet in four buckets, small images), where the update threaded behind the
 summation puts compute between the calls of the last bucket: on v5e, the generation the
-step is estimated for; the small network above covers all four generations and v5p's 3-D
+step is estimated for; the small network above covers three generations and v5p's 3-D
 mesh (six streams a bucket). ``python -m bench.overlap_report`` shows the ResNet-50 step's
 schedule. And the zero that pins an operand after the calls survives compilation as no
 constant.
@@ -45,7 +45,6 @@ KERNEL_BYTES = 3 * 3 * CHANNELS * CHANNELS * 4
 TOPOLOGIES = {  # name: (topology, mesh shape or None for the square 2-D mesh)
   "v5e": ("v5e:2x2", None),
   "v6e": ("v6e:2x2", None),
-  "v4": ("v4:2x2x1", None),
   "v5p-3d": ("v5p:2x2x2", (2, 2, 2)),
 }
 

@@ -24,7 +24,9 @@ stated in; it runs twice on the same program:
 A case *passes* when both runs are within bound; it *fails* with the count of elements
 out of bound ("wrong", as nccl-tests counts them) and the worst error against its bound.
 An exception is the case's error. In TPU interpret mode the race detector is on, DMAs
-complete on wait, scratch memory is NaN, and a race fails the case.
+complete on wait, scratch memory is NaN, and a race fails the case; the split calls run
+through the package's extension of that mode (``testing.split_interpret``), which keeps
+their semaphores and in-flight buffers from one call to the next.
 """
 
 from __future__ import annotations

@@ -108,8 +108,9 @@ Assumptions and limits:
 * The tail's windows are its units, one or more a window; a leaf's update pass is never
   split. ResNet-50's is a few large kernel updates beside many small scales; spaced evenly
   in bytes (``plan.call_spacing``), every call of the last buckets gets a window with work
-  as traced (compiled, XLA can still leave one empty: one on v4 in
-  ``tests/test_split_step_aot.py``), and a short window still exposes part of a long hop.
+  as traced (compiled, XLA can still leave some empty: ``tests/test_split_step_aot.py``
+  holds the ResNet example's step for v5e to compute in at least half the last bucket's
+  windows), and a short window still exposes part of a long hop.
 * The windows are counted, not timed: a hop longer than its window is partly exposed. Every
   bucket has the same number of calls whatever its size (two phases of ``n - 1`` hops per
   axis), so one started with fewer points left than calls issues the rest back to back at
