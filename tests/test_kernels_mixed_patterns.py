@@ -192,9 +192,8 @@ def split_between_blocking_reference(g, v):
 
 
 def _split_inputs(p: int):
-  g = np.random.default_rng(2).integers(
-    -8, 8, size=(p, 4 * p * 8 * LANES)
-  )  # 4 streams of whole words
+  # A [32 p, 128] leaf per device: whole tiles of 8 rows for each of p parts and 4 chains.
+  g = np.random.default_rng(2).integers(-8, 8, size=(p, 4 * p * 8 * LANES))
   return jnp.asarray(g, jnp.int32), _inputs(p)
 
 
