@@ -239,6 +239,16 @@ def test_the_report_counts_the_data_parallel_collectives():
   assert not overlap_report.is_data_parallel(op("{'x','y'}", "jit(f)/BatchNorm_0/pmean"), mesh_axes)
 
 
+def _leaf_call(name, pattern, operands, remote_bytes, bucket="bucket_0"):
+  """A call of a leaf chain (``kernels.split_leaf_kernels``) declaring its hop's bytes."""
+  return (
+    f"  %{name} = (f32[8,128]{{1,0}}, s32[]{{:S(2)}}, s32[]{{:S(2)}}) custom-call({operands}), "
+    f'custom_call_target="tpu_custom_call", metadata={{op_name="jit(step)/gradient_summation/'
+    f'{bucket}/async_leaf_{pattern}/pallas_call"}}, backend_config={{"cost_estimate":'
+    f'{{"flops":"0","remote_bytes_transferred":"{remote_bytes}"}}}}'
+  )
+
+
 def _split_call(name, call, operands, bucket="bucket_0", ccw=False):
   """A leaf chain's all-gather call along "x" in a bucket's scope, sending to the next
   device (``ccw``: the previous one) the 4096 bytes its cost estimate declares (a done
@@ -374,16 +384,6 @@ def test_the_reports_update_after_applies_the_update_to_the_summed_gradient():
   assert float(value) == 3.0
   assert stepped.tolist() == [3.0, 3.0, 3.0]
   assert wrapped(lambda p: p.sum(), ("x",))(jnp.ones(2))[1].tolist() == [2.0, 2.0]
-
-
-def _leaf_call(name, pattern, operands, remote_bytes, bucket="bucket_0"):
-  """A call of a leaf chain (``kernels.split_leaf_kernels``) declaring its hop's bytes."""
-  return (
-    f"  %{name} = (f32[8,128]{{1,0}}, s32[]{{:S(2)}}, s32[]{{:S(2)}}) custom-call({operands}), "
-    f'custom_call_target="tpu_custom_call", metadata={{op_name="jit(step)/gradient_summation/'
-    f'{bucket}/async_leaf_{pattern}/pallas_call"}}, backend_config={{"cost_estimate":'
-    f'{{"flops":"0","remote_bytes_transferred":"{remote_bytes}"}}}}'
-  )
 
 
 def _leaf_program(last_leaf="%get-tuple-element.2"):

@@ -41,7 +41,7 @@ pytestmark = pytest.mark.timeout(300, method="thread")
 
 AXES = ("x", "y")
 BUCKET_BYTES = 2048  # a few buckets for these layers
-# The programs that run: every link of a chip in use at the fewest calls a chain (the
+# The programs that run: both directions of both axes at the fewest calls a chain (the
 # interpreted calls are most of their time); those only traced take 2x4.
 RUN_MESH = (2, 2)
 

@@ -1,7 +1,7 @@
 """The ResNet example's ``config.grad_overlap``: the train step's gradient mean summed during
 the backward pass (``tc.experimental.value_and_summed_grad``).
 
-A tiny ResNet on a 2x2 mesh (four chains a bucket, one per link of a chip) with small
+A tiny ResNet on a 2x2 mesh (four chains a bucket, one per axis and direction) with small
 buckets (several in flight): one train step with the split Pallas kernels, in TPU
 interpret mode through the split-call extension (race detector on), gives the weights,
 batch statistics and metrics of the plain step (``value_and_grad``, then
@@ -27,8 +27,8 @@ from resnet.configs import default
 from torus_collectives.testing.split_interpret import async_interpret_mode
 
 BUCKET_BYTES = 320 * 1024  # two buckets of the tiny ResNet's 0.5 MB gradient
-# Every link of a chip in use, at the fewest calls a chain: the interpreted calls (each a
-# callback-laden program per device) are most of this file's time.
+# Both directions of both axes in use, at the fewest calls a chain: the interpreted calls
+# (each a callback-laden program per device) are most of this file's time.
 MESH_SHAPE = (2, 2)
 
 

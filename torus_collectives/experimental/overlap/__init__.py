@@ -199,8 +199,8 @@ def value_and_summed_grad(
       step = registry.tuned_step(summation_request(grad_leaves, sizes))
       chosen, tuned_bucket = step or ("auto", None)
       chosen_bucket = tuned_bucket if bucket_bytes is None else bucket_bytes
-    summation = _summation(chosen, names, sizes)
-    if summation is None:
+    start_summation = _summation(chosen, names, sizes)
+    if start_summation is None:
       value, grads = grad_fn(params, *args)
       return value, then(
         all_reduce_gradients(
@@ -218,7 +218,7 @@ def value_and_summed_grad(
       ]
       return then(jax.tree.unflatten(grad_tree, grads))
 
-    threaded = Executor(summation, names, sizes, chosen_bucket or DEFAULT_BUCKET_BYTES)
+    threaded = Executor(start_summation, names, sizes, chosen_bucket or DEFAULT_BUCKET_BYTES)
     flat_args = jax.tree.leaves((params, *args))
     value_leaves, result = threaded.run(closed, flat_args, grad_leaves, gradient_then, update)
     return jax.tree.unflatten(jax.tree.structure(value_shapes), value_leaves), result

@@ -2,8 +2,8 @@
 equation by equation, as its ``plan.Plan`` says, with each bucket's split collective
 started, its calls issued and its results pinned (the package's docstring, steps 3 to 5).
 
-``Executor`` runs the backward pass; ``Tail`` runs the work after it (the unpacking and
-the optimizer's update) while the last buckets' calls are issued. The pins:
+``Executor`` runs the backward pass; ``Tail`` runs the work after it (the scaling of the
+sums and the optimizer's update) while the last buckets' calls are issued. The pins:
 ``opaque_zero`` and ``plus_zero`` order an equation after the calls through one operand,
 so XLA still fuses its producers; ``pin_to`` passes values through a barrier with the
 collectives in flight.
