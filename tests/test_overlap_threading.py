@@ -10,8 +10,9 @@
 * In the traced program, each bucket's start comes after the equation producing its last
   leaf and before at least one later backward matmul, and its done after that matmul.
 * The operand that waits for the last call is one computation produced, not an input
-  only laid out for the matmul; the advance points are the leaves computed from new
-  pinned work (a matmul, a reduction), not from elementwise work alone, and each
+  only laid out for the matmul; the equations are evaluated leaves first; the advance
+  points are the leaves computed from new pinned work (a matmul), not from elementwise
+  work or a reduction alone, and each
   collective's calls spread evenly over the points left after its start.
 * Other implementations ("xla", "auto") are ``value_and_grad`` then
   ``all_reduce_gradients``, unchanged.
@@ -273,11 +274,12 @@ def _inlined(fun, *args, outs=False):
 
 def test_the_plan_of_a_three_layer_mlp():
   """``plan.make_plan`` on ``value_and_grad`` of a 3-layer tanh MLP (weights of 4 KiB,
-  buckets of 8 KiB): the gradients come w3, w2, w1; the buckets are [w3, w2] and [w1]
-  (w1 alone: the last matmul makes it), each starting after the equation that produced
-  its last leaf; every matmul and reduction once a bucket is in flight is pinned; the
-  points are the weight-gradient matmuls after the first start, and a bucket's windows
-  are the points after its start. The plan prints one line a bucket."""
+  buckets of 8 KiB): the equations are evaluated in an order of them all; the gradients
+  come w3, w2, w1; the buckets are [w3, w2] and [w1] (w1 alone: the last matmul makes
+  it), each starting after the equation that produced its last leaf; every matmul once a
+  bucket is in flight is pinned, and no reduction; the points are the weight-gradient
+  matmuls after the first start, and a bucket's windows are the points after its start.
+  The plan prints one line a bucket."""
 
   def loss(ws, x):
     for w in ws:
@@ -288,15 +290,18 @@ def test_the_plan_of_a_three_layer_mlp():
   eqns, producer, outs = _inlined(jax.value_and_grad(loss), ws, jnp.ones((8, 32)), outs=True)
   like = [jax.ShapeDtypeStruct((32, 32), jnp.float32)] * 3
   made = plan.make_plan(eqns, outs, like, bucket_bytes=8 * 1024)
-  position = {key: i for i, item in enumerate(eqns) for key in item.outs}
+  assert sorted(made.order) == list(range(len(eqns)))
+  evaluated = [eqns[i] for i in made.order]
+  position = {key: i for i, item in enumerate(evaluated) for key in item.outs}
   made_at = [position[key] for key in outs[1:]]  # w1, w2, w3's gradients
   assert made_at[2] < made_at[1] < made_at[0]
   assert made.buckets == ((2, 1), (0,))
   assert made.ready_after == (made_at[1], made_at[0])
   assert made_at[1] < made.heavy[-1] < made_at[0]  # only w1's exists after the last matmul
-  kinds = {"dot_general", "reduce_sum", "reduce_max", "reduce_min"}
   assert made.pinned == tuple(
-    i for i, item in enumerate(eqns) if i > made_at[1] and item.eqn.primitive.name in kinds
+    i
+    for i, item in enumerate(evaluated)
+    if i > made_at[1] and item.eqn.primitive.name == "dot_general"
   )
   assert made.points == (made_at[0],)
   assert made.windows(0) == (made_at[0],) and made.windows(1) == ()
@@ -304,6 +309,30 @@ def test_the_plan_of_a_three_layer_mlp():
   assert (
     "2 buckets" in text and f"bucket 0: leaves [2, 1], starts after equation {made_at[1]}" in text
   )
+
+
+def test_leaves_first_moves_what_only_a_later_leaf_needs_after_the_earlier_leaf():
+  """``plan.leaves_first``: a program that computes ``t = b @ b`` (needed only by the second
+  leaf) before the first leaf ``a @ a`` is evaluated first leaf, then ``t``, then the
+  second leaf. In program order the second leaf is no advance point: the matmul it comes
+  from ran before the first leaf's point. Leaves first, both are, a matmul in each
+  window."""
+
+  def fun(a, b):
+    t = b @ b
+    return a @ a, jnp.tanh(t)
+
+  eqns, _, outs = _inlined(fun, jnp.ones((8, 8)), jnp.ones((8, 8)), outs=True)
+  names = [item.eqn.primitive.name for item in eqns]
+  assert names == ["dot_general", "dot_general", "tanh"]
+  order = plan.leaves_first(eqns, outs)
+  assert order == [1, 0, 2]
+  leaf_keys = set(outs)
+  assert plan.advance_points(eqns, leaf_keys, -1) == [1]
+  assert plan.advance_points([eqns[i] for i in order], leaf_keys, -1) == [0, 2]
+  # what no leaf needs comes right after the last thing it reads
+  assert plan.leaves_first(eqns, outs[:1]) == [0, 2, 1]
+  assert plan.leaves_first(eqns, outs[1:]) == [1, 0, 2]
 
 
 def test_the_operand_that_waits_for_the_call_is_one_computation_produced():
@@ -409,8 +438,9 @@ def test_calls_spread_evenly_over_the_points_left(calls, points, expected):
 
 def test_advance_points_are_leaves_computed_from_new_work():
   """In the three-layer network's backward pass: each weight's gradient (a matmul, then
-  its transpose) and the offset's (a sum) is a point; none comes at or before the
-  position given (the first bucket's start)."""
+  its transpose) is a point, and the offset's (a sum of the output's gradient, which no
+  matmul computed) is not; none comes at or before the position given (the first
+  bucket's start)."""
   x, params = _inputs()
   closed = jax.make_jaxpr(jax.grad(_loss))(params, x)
   counter = itertools.count()
@@ -426,7 +456,7 @@ def test_advance_points_are_leaves_computed_from_new_work():
     return item.eqn.primitive.name
 
   names = [work(eqns[p]) for p in points]
-  assert sorted(names) == ["dot_general"] * 3 + ["reduce_sum"], names
+  assert names == ["dot_general"] * 3, names
   assert all(any(k in leaf_keys for k in eqns[p].outs) for p in points)
   assert plan.advance_points(eqns, leaf_keys, max(points)) == []
 

@@ -22,7 +22,10 @@ where they lie, and a done):
    (``plan.cut_last_bucket``): what only it produces (the first layer's kernel gradient)
    travels alone, since nothing is left to overlap it, and the rest of that bucket starts
    before it.
-3. The equations are evaluated in program order. As soon as the equation that produces a
+3. The equations are evaluated leaves first (``plan.leaves_first``): for each gradient leaf
+   in the order the program computes them, what it needs that has not run yet, so that the
+   work only a later leaf needs (a layer's input-gradient convolution) is evaluated after
+   the earlier leaf, in the next window (step 4). As soon as the equation that produces a
    bucket's last leaf has run, its split all-reduce is started on the leaves (its first
    call issued): nothing is concatenated, reshaped or copied, and the sums come back in
    the leaves' own buffers (``registry.CollectiveBackend.split_all_reduce_leaves``).
@@ -30,31 +33,34 @@ where they lie, and a done):
    barriers with the in-flight buffers (the async note's remedy;
    ``SplitLeafAllReduce.pin``), which are data dependencies XLA cannot reorder:
 
-   * *operand side*: each *pinned* equation (``PINNED``: a convolution or a matmul,
-     ``HEAVY``, or a reduction such as a batch norm's sums) reads one operand less a zero
-     that comes out of the barrier (``executor.Executor._after_last_call``), so it runs
-     after the last call issued. Not the operand itself through the barrier: that would stop
-     XLA fusing the operand's elementwise producers (the batch norm's scale, the ReLU mask,
-     a pad) into the convolution, where the subtraction fuses with them. Nor a constant
-     zero: XLA forwards a constant through a barrier before it schedules, and the pin is
-     gone; the zero is ``min(axis index, 0)`` (``executor.opaque_zero``), which it cannot
-     fold. The operand is one that computation produced, not an input only laid out for the
-     convolution (the images, a flipped weight): those XLA lays out once for the forward and
-     backward passes together.
+   * *operand side*: each *pinned* equation (``plan.PINNED``: a convolution or a matmul;
+     not the reductions, such as a batch norm's sums, which XLA fuses into the convolution
+     whose output they read, and which a pin of their own would cut out of it) reads one
+     operand less a zero that comes out of the barrier
+     (``executor.Executor._after_last_call``), so it runs after the last call issued. Not
+     the operand itself through the barrier: that would stop XLA fusing the operand's
+     elementwise producers (the batch norm's scale, the ReLU mask, a pad) into the
+     convolution, where the subtraction fuses with them. Nor a constant zero: XLA forwards
+     a constant through a barrier before it schedules, and the pin is gone; the zero is
+     ``min(axis index, 0)`` (``executor.opaque_zero``), which it cannot fold. The operand
+     is one that computation produced, not an input only laid out for the convolution (the
+     images, a flipped weight): those XLA lays out once for the forward and backward passes
+     together.
    * *result side*: the *advance points* (``plan.advance_points``) are the equations that
      compute a gradient leaf from a pinned equation evaluated since the previous point (a
-     weight gradient's convolution, a batch norm's scale and offset gradients): about three
-     a layer. So every window holds work that cannot run before its first call: counting a
-     leaf computed only from elementwise work as a point left windows that XLA had emptied
-     by running that work earlier (the compiled figures are in the documentation's design
-     log). At each, the leaf passes a barrier with the collectives in flight, so the next
-     call waits for the window's work (the backward pass reads the leaf as computed: a batch
-     norm's sums feed its input gradient, which the barrier would cut off from them), and
-     each in-flight collective issues its next call if it is due: a collective with ``C``
-     calls left when it starts, ``T`` points before the end, issues ``j * C // T`` by its
-     ``j``-th point. So its calls spread evenly over the windows left, one a window at most
-     (two calls in one window would leave the first one's hop nothing to overlap), and the
-     last is issued at the last point.
+     weight gradient's convolution, a batch norm's scale gradient after the input-gradient
+     convolution it is computed from): about two a layer, each window holding one
+     convolution. So every window holds work that cannot run before its first call:
+     counting a leaf computed only from elementwise work as a point left windows that XLA
+     had emptied by running that work earlier (the compiled figures are in the
+     documentation's design log). At each, the leaf passes a barrier with the collectives
+     in flight, so the next call waits for the window's work (the backward pass reads the
+     leaf as computed: a batch norm's sums feed its input gradient, which the barrier would
+     cut off from them), and each in-flight collective issues its next call if it is due: a
+     collective with ``C`` calls left when it starts, ``T`` points before the end, issues
+     ``j * C // T`` by its ``j``-th point. So its calls spread evenly over the windows
+     left, one a window at most (two calls in one window would leave the first one's hop
+     nothing to overlap), and the last is issued at the last point.
 
    Equations that communicate (lax collectives such as the batch norms' sums, the package's
    primitives, Pallas kernels) are pinned on both sides without advancing, and each bucket
@@ -97,14 +103,15 @@ Assumptions and limits:
   threaded form; otherwise ``all_reduce_gradients(implementation="auto")``.
 * Only the default transport (the leaves' own dtype); ``transport_dtype`` and error feedback
   go through ``all_reduce_gradients``.
-* The pins still cost a little compute: a batch norm's backward reductions pinned after a
-  call run apart from the convolution that the plain step fuses them into. With the leaves
-  summed where they lie there is no other: by the compiler's estimate for ResNet-50 on
-  v5e:16x16 the threaded step computes about what XLA's default step does and hides most
-  of the transfer (``bench.overlap_report --grad-overlap on``, against ``--implementation
-  xla``; compiler estimates and the cost model, with the figures by op category in the
-  documentation's design log). Each call also waits at its link's barrier for the
-  neighbour to enter it, a latency the model does not price.
+* What the threading still adds to the compute is the small leaves' packing: a bucket's
+  vectors (a batch norm's scale and offset gradients) go to the calls packed into one more
+  leaf (``pallas_backend.kernel_leaves``), a small fusion each, and are sliced back. The
+  pins cut no fusion (only convolutions and matmuls are pinned, leaves first); by the
+  compiler's estimate for ResNet-50 the threaded step computes about what XLA's default
+  step does and hides most of the transfer (``bench.overlap_report --grad-overlap
+  on``, against ``--implementation xla``; compiler estimates and the cost model, with the
+  figures by op category in the documentation's design log). Each call also waits at its
+  link's barrier for the neighbour to enter it, a latency the model does not price.
 * The tail's windows are its units, one or more a window; a leaf's update pass is never
   split. ResNet-50's is a few large kernel updates beside many small scales; spaced evenly
   in bytes (``plan.call_spacing``), every call of the last buckets gets a window with work

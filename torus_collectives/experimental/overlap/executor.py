@@ -77,6 +77,7 @@ class Executor:
     eqns, outs = inlining.inline(closed.jaxpr, closed.consts, in_keys, counter, constants)
     self.zero = opaque_zero(self.names)
     self.plan = plan = make_plan(eqns, outs, grad_leaves, self.bucket_bytes)
+    eqns = [eqns[i] for i in plan.order]
     env: dict[Any, Any] = {**constants, **dict(zip(in_keys, flat_args))}
     split_at = len(outs) - len(grad_leaves)
     value_atoms, grad_atoms = outs[:split_at], outs[split_at:]

@@ -1,15 +1,15 @@
 """The threaded summation's plan: every decision it makes about one traced
 ``value_and_grad``, computed from the program's equations alone, before anything runs.
 
-``make_plan`` gives a frozen, printable ``Plan``: the buckets (``packing.buckets_by_size``
-in the order the program computes the leaves, the last cut at the last heavy equation:
-``cut_last_bucket``), where each starts (``ready_after``), which equations run after the
-last call issued (``pinned``), and the advance points between which each bucket's calls
-are spread (``advance_points``; a bucket's ``windows``). The tail's decisions (the units
-it evaluates one at a time, their work, the spacing of the calls over it) are pure
-functions here too (``units``, ``unit_work``, ``call_spacing``); the executor
-(``executor``) applies them. The algorithm is described in the package's docstring
-(``torus_collectives.experimental.overlap``), steps 2 to 5.
+``make_plan`` gives a frozen, printable ``Plan``: the order the equations are evaluated in
+(``leaves_first``), the buckets (``packing.buckets_by_size`` in the order the leaves are
+computed, the last cut at the last heavy equation: ``cut_last_bucket``), where each starts
+(``ready_after``), which equations run after the last call issued (``pinned``), and the
+advance points between which each bucket's calls are spread (``advance_points``; a bucket's
+``windows``). The tail's decisions (the units it evaluates one at a time, their work, the
+spacing of the calls over it) are pure functions here too (``units``, ``unit_work``,
+``call_spacing``); the executor (``executor``) applies them. The algorithm is described in
+the package's docstring (``torus_collectives.experimental.overlap``), steps 2 to 5.
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from torus_collectives import packing
 # The equations whose work a window between two collective calls holds: the backward
 # pass's convolutions and matmuls (everything else is cheap beside them).
 HEAVY = frozenset({"conv_general_dilated", "dot_general"})
-# Run after the last call issued (the package docstring, step 4): the heavy equations, and the
-# reductions (a batch norm's sums in the backward pass), each of which reads a whole
-# activation, work enough to cover a hop, and which XLA would otherwise run as early as
-# it may. The advance points are the leaves computed from them.
+# Run after the last call issued (the package docstring, step 4): the heavy equations only.
+# A batch norm's backward sums read the convolution's output, and XLA fuses them into it;
+# pinned apart they ran as fusions of their own (the design log's figures), so they are left
+# to follow their convolution into its window.
+PINNED = HEAVY
+# The reductions of the tail's units (``units``): a trust ratio's norms.
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
-PINNED = HEAVY | REDUCTIONS
 # Equations that move no data of their own (XLA makes them bitcasts or fuses them).
 MOVES_NO_DATA = frozenset(
   "reshape squeeze expand_dims broadcast_in_dim convert_element_type transpose copy copy_p".split()
@@ -39,8 +40,9 @@ LAID_OUT = MOVES_NO_DATA | {"rev"}
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """The decisions for one traced ``value_and_grad`` (``make_plan``). Positions index the
-  inlined equations; leaf numbers index the gradient's flat leaves.
+  """The decisions for one traced ``value_and_grad`` (``make_plan``). ``order``: the
+  inlined equations' indices in the order they are evaluated (``leaves_first``); every
+  other position indexes that order. Leaf numbers index the gradient's flat leaves.
 
   ``buckets``: the leaf numbers of each bucket, in start order. ``ready_after``: per
   bucket, the position of the equation after which its last leaf exists (-1: before any
@@ -49,6 +51,7 @@ class Plan:
   issued (the package docstring, step 4: the ``PINNED`` ones once a bucket is in
   flight). ``points``: the advance points (``advance_points``)."""
 
+  order: tuple[int, ...]
   buckets: tuple[tuple[int, ...], ...]
   ready_after: tuple[int, ...]
   heavy: tuple[int, ...]
@@ -61,7 +64,8 @@ class Plan:
 
   def __str__(self) -> str:
     lines = [
-      f"Plan: {len(self.buckets)} buckets, {len(self.heavy)} heavy equations, "
+      f"Plan: {len(self.order)} equations, {len(self.buckets)} buckets, "
+      f"{len(self.heavy)} heavy equations, "
       f"{len(self.pinned)} pinned, {len(self.points)} advance points"
     ]
     for b, (bucket, ready) in enumerate(zip(self.buckets, self.ready_after)):
@@ -74,8 +78,11 @@ class Plan:
 
 def make_plan(eqns, outs, grad_leaves: Sequence, bucket_bytes: float) -> Plan:
   """The plan for the inlined equations ``eqns`` of a ``value_and_grad`` whose outputs
-  ``outs`` end with the gradient's leaves (``grad_leaves``: their shapes and dtypes)."""
+  ``outs`` end with the gradient's leaves (``grad_leaves``: their shapes and dtypes); its
+  positions index ``eqns`` in ``Plan.order``."""
   grad_atoms = outs[len(outs) - len(grad_leaves) :]
+  evaluation = leaves_first(eqns, grad_atoms)
+  eqns = [eqns[i] for i in evaluation]
   produced_at = {key: position for position, item in enumerate(eqns) for key in item.outs}
   where = [produced_at.get(a, -1) if isinstance(a, int) else -1 for a in grad_atoms]
   order = sorted(range(len(grad_atoms)), key=lambda i: (where[i], i))
@@ -90,12 +97,50 @@ def make_plan(eqns, outs, grad_leaves: Sequence, bucket_bytes: float) -> Plan:
     i for i, item in enumerate(eqns) if i > first_start and item.eqn.primitive.name in PINNED
   ]
   return Plan(
+    order=tuple(evaluation),
     buckets=tuple(tuple(bucket) for bucket in buckets),
     ready_after=tuple(ready_after),
     heavy=tuple(heavy),
     pinned=tuple(pinned),
     points=tuple(advance_points(eqns, leaf_keys, first_start)),
   )
+
+
+def leaves_first(eqns, grad_atoms) -> list[int]:
+  """The indices of ``eqns`` in the order the executor evaluates them: for each gradient
+  leaf (``grad_atoms``) in the order the program computes them, what it needs that is not
+  evaluated yet, in program order. What no leaf needs (the loss value's last steps, say)
+  comes right after the last thing it reads, so it is not left for after the backward
+  pass. A valid order: everything comes after what it reads.
+
+  Why: a pinned equation runs after the last call issued when it is evaluated, and an
+  advance point is a leaf computed from pinned work evaluated since the previous one. In
+  program order a layer's input-gradient convolution may come before the same layer's
+  weight gradient; it is then pinned behind the call before that leaf's point, and the
+  batch norm gradients computed from it open no window of their own (ResNet-50's
+  backward pass then has half the windows, each of two convolutions). Leaves first, it is
+  evaluated after that point, in the window that the batch norm's gradients close, so
+  each window holds one convolution and no reduction needs pinning to hold a window."""
+  producer = {key: position for position, item in enumerate(eqns) for key in item.outs}
+  leaves = sorted({producer[a] for a in grad_atoms if isinstance(a, int) and a in producer})
+  groups = []
+  taken: set[int] = set()
+  for leaf in leaves:
+    needed, stack = set(), list(eqns[leaf].outs)
+    while stack:
+      i = producer.get(stack.pop())
+      if i is None or i in taken or i in needed:
+        continue
+      needed.add(i)
+      stack.extend(a for a in eqns[i].ins if isinstance(a, int))
+    taken |= needed
+    groups.append(sorted(needed))
+  order = [i for group in groups for i in group]
+  for i in range(len(eqns)):  # what no leaf needs: right after the last thing it reads
+    if i not in taken:
+      reads = [a for a in eqns[i].ins if isinstance(a, int) and a in producer]
+      order.insert(max((order.index(producer[a]) for a in reads), default=-1) + 1, i)
+  return order
 
 
 def cut_last_bucket(bucket: list[int], positions, boundary: int) -> list[list[int]]:
