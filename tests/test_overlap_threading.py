@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
 import torus_collectives as tc
@@ -333,6 +334,23 @@ def test_leaves_first_moves_what_only_a_later_leaf_needs_after_the_earlier_leaf(
   # what no leaf needs comes right after the last thing it reads
   assert plan.leaves_first(eqns, outs[:1]) == [0, 2, 1]
   assert plan.leaves_first(eqns, outs[1:]) == [1, 0, 2]
+
+
+def test_leaves_first_keeps_effects_in_program_order():
+  """Two ordered callbacks, the first feeding the second leaf and the second the first
+  leaf: leaves first would run the second callback first, but an equation with effects
+  also reads the one before it, so they keep their program order."""
+
+  def fun(a, b):
+    like = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    u = io_callback(lambda v: v, like, b, ordered=True)
+    v = io_callback(lambda v: v, like, a, ordered=True)
+    return v @ v, jnp.tanh(u)
+
+  eqns, _, outs = _inlined(fun, jnp.ones((8, 8)), jnp.ones((8, 8)), outs=True)
+  names = [item.eqn.primitive.name for item in eqns]
+  assert names == ["io_callback", "io_callback", "dot_general", "tanh"], names
+  assert plan.leaves_first(eqns, outs) == [0, 1, 2, 3]
 
 
 def test_the_operand_that_waits_for_the_call_is_one_computation_produced():

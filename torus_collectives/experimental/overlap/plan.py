@@ -15,6 +15,7 @@ the package's docstring (``torus_collectives.experimental.overlap``), steps 2 to
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -111,7 +112,8 @@ def leaves_first(eqns, grad_atoms) -> list[int]:
   leaf (``grad_atoms``) in the order the program computes them, what it needs that is not
   evaluated yet, in program order. What no leaf needs (the loss value's last steps, say)
   comes right after the last thing it reads, so it is not left for after the backward
-  pass. A valid order: everything comes after what it reads.
+  pass. A valid order: everything comes after what it reads, and equations with effects
+  keep their program order among themselves.
 
   Why: a pinned equation runs after the last call issued when it is evaluated, and an
   advance point is a leaf computed from pinned work evaluated since the previous one. In
@@ -122,24 +124,31 @@ def leaves_first(eqns, grad_atoms) -> list[int]:
   evaluated after that point, in the window that the batch norm's gradients close, so
   each window holds one convolution and no reduction needs pinning to hold a window."""
   producer = {key: position for position, item in enumerate(eqns) for key in item.outs}
+  effectful = [i for i, item in enumerate(eqns) if item.eqn.effects]
+  # An equation with effects (a callback, a print, a collective's axis effect) also reads
+  # the one before it, so that effects keep their program order.
+  previous_effect = dict(itertools.pairwise(reversed(effectful)))
+
+  def reads(i):
+    found = [producer[a] for a in eqns[i].ins if isinstance(a, int) and a in producer]
+    return found + ([previous_effect[i]] if i in previous_effect else [])
+
   leaves = sorted({producer[a] for a in grad_atoms if isinstance(a, int) and a in producer})
   groups = []
   taken: set[int] = set()
   for leaf in leaves:
-    needed, stack = set(), list(eqns[leaf].outs)
+    needed, stack = set(), [leaf]
     while stack:
-      i = producer.get(stack.pop())
-      if i is None or i in taken or i in needed:
-        continue
-      needed.add(i)
-      stack.extend(a for a in eqns[i].ins if isinstance(a, int))
+      i = stack.pop()
+      if i not in taken and i not in needed:
+        needed.add(i)
+        stack.extend(reads(i))
     taken |= needed
     groups.append(sorted(needed))
   order = [i for group in groups for i in group]
   for i in range(len(eqns)):  # what no leaf needs: right after the last thing it reads
     if i not in taken:
-      reads = [a for a in eqns[i].ins if isinstance(a, int) and a in producer]
-      order.insert(max((order.index(producer[a]) for a in reads), default=-1) + 1, i)
+      order.insert(max((order.index(j) for j in reads(i)), default=-1) + 1, i)
   return order
 
 
