@@ -49,7 +49,7 @@ where they lie, and a done):
    * *result side*: the *advance points* (``plan.advance_points``) are the equations that
      compute a gradient leaf from a pinned equation evaluated since the previous point (a
      weight gradient's convolution, a batch norm's scale gradient after the input-gradient
-     convolution it is computed from): about two a layer, each window holding one
+     convolution it is computed from): about two a layer, nearly every window holding one
      convolution. So every window holds work that cannot run before its first call:
      counting a leaf computed only from elementwise work as a point left windows that XLA
      had emptied by running that work earlier (the compiled figures are in the
@@ -106,7 +106,8 @@ Assumptions and limits:
 * What the threading still adds to the compute is the small leaves' packing: a bucket's
   vectors (a batch norm's scale and offset gradients) go to the calls packed into one more
   leaf (``pallas_backend.kernel_leaves``), a small fusion each, and are sliced back. The
-  pins cut no fusion (only convolutions and matmuls are pinned, leaves first); by the
+  pins no longer cut a batch norm's sums out of their convolution (only convolutions and
+  matmuls are pinned, leaves first); by the
   compiler's estimate for ResNet-50 the threaded step computes about what XLA's default
   step does and hides most of the transfer (``bench.overlap_report --grad-overlap
   on``, against ``--implementation xla``; compiler estimates and the cost model, with the

@@ -122,7 +122,8 @@ def leaves_first(eqns, grad_atoms) -> list[int]:
   batch norm gradients computed from it open no window of their own (ResNet-50's
   backward pass then has half the windows, each of two convolutions). Leaves first, it is
   evaluated after that point, in the window that the batch norm's gradients close, so
-  each window holds one convolution and no reduction needs pinning to hold a window."""
+  nearly every window holds one convolution and no reduction needs pinning to hold a
+  window."""
   producer = {key: position for position, item in enumerate(eqns) for key in item.outs}
   effectful = [i for i, item in enumerate(eqns) if item.eqn.effects]
   # An equation with effects (a callback, a print, a collective's axis effect) also reads
