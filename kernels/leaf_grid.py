@@ -27,6 +27,14 @@ At every level a block of ``u`` units is cut into ``n`` consecutive parts, each 
 * the same function (``piece``) gives a part's range from static indices (the reference,
   the tests) and from traced ones (inside a kernel).
 
+A small leaf the grid cannot cut (a vector, a stem convolution's kernel of 3 input
+channels: fewer than two dimensions, or a second-minor one that is no whole number of
+tiles) is *whole*: one unit, the whole array, which one part holds and one DMA moves
+(``LeafGrid.is_whole``). Its bytes cross the same links as a cut leaf's, held by one
+device a hop instead of spread over all; up to ``WHOLE_BYTES`` that costs a DMA's latency,
+not bandwidth. So a model's vectors go to the kernels where they lie, as its kernels do,
+with no concatenation into one more leaf.
+
 A leaf with fewer units than the grid has parts of zero units; they move nothing. Each
 leaf's extra units start where the previous leaf's ended (``LeafGrid.path``'s rotations),
 so a bucket of small leaves spreads over the parts. The balance is by units, and units of
@@ -44,6 +52,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from torus_collectives import schedule as schedule_lib
+
+# The largest leaf the kernels take whole (``LeafGrid.is_whole``): a receiver adds it in
+# one VMEM block, and a hop that carries it spends about a DMA's latency more.
+WHOLE_BYTES = 64 * 1024
 
 
 def unit_rows(itemsize: int) -> int:
@@ -66,16 +78,18 @@ def kernel_view(shape: Sequence[int], itemsize: int) -> str | None:
   (its two minor dimensions swapped), for an array whose minor dimension is no multiple of
   128 over a second-minor one that is, which XLA's TPU compiler lays out minor dimension
   first (a dense kernel of 1000 classes; ``tests/test_leaf_kernels.py`` checks the rule
-  against the compiler), so that the swap is a bitcast; or None: not at all (fewer than
-  two dimensions, an 8-bit type, a cut dimension that is no whole number of tiles), to be
-  packed."""
-  if len(shape) < 2 or itemsize not in (2, 4) or 0 in shape:
+  against the compiler), so that the swap is a bitcast; ``"whole"``, as is and moved
+  whole (``LeafGrid.is_whole``: a vector, or a cut dimension that is no whole number of
+  tiles, up to ``WHOLE_BYTES``); or None: not at all (a scalar, an 8-bit type, a larger
+  leaf that cannot be cut), to be packed."""
+  if itemsize not in (2, 4) or 0 in shape or not shape:
     return None
-  transposed = shape[-1] % 128 and not shape[-2] % 128
-  cut = shape[-1] if transposed else shape[-2]
-  if cut % unit_rows(itemsize):
-    return None
-  return "transposed" if transposed else "as is"
+  if len(shape) >= 2:
+    transposed = shape[-1] % 128 and not shape[-2] % 128
+    cut = shape[-1] if transposed else shape[-2]
+    if not cut % unit_rows(itemsize):
+      return "transposed" if transposed else "as is"
+  return "whole" if math.prod(shape) * itemsize <= WHOLE_BYTES else None
 
 
 def split(units: int, n: int, index, rotation: int = 0):
@@ -125,7 +139,8 @@ def size_bounds(units: int, parts: Sequence[int]) -> tuple[int, int]:
 @dataclasses.dataclass(frozen=True)
 class LeafGrid:
   """A schedule's grid over a bucket of leaves of ``shapes`` (two or more dimensions, the
-  second-minor a whole number of units) and ``itemsize`` bytes per element.
+  second-minor a whole number of units; or whole, ``is_whole``) and ``itemsize`` bytes per
+  element.
 
   A stream ``s`` cuts each leaf first into ``num_streams`` parts (``s`` its own), then
   along the axes of its reduce-scatter phases in their order (``axis_order``).
@@ -137,18 +152,27 @@ class LeafGrid:
 
   def __post_init__(self):
     for shape in self.shapes:
-      if len(shape) < 2 or shape[-2] % self.unit or 0 in shape:
+      if not shape or 0 in shape:
+        raise ValueError(f"a leaf needs one or more dimensions, none empty, got {shape}")
+      cut = len(shape) >= 2 and not shape[-2] % self.unit
+      if not cut and math.prod(shape) * self.itemsize > WHOLE_BYTES:
         raise ValueError(
-          f"a leaf needs two or more dimensions, the second-minor a positive multiple of "
-          f"{self.unit}, got {shape}; pack it instead"
+          f"a leaf of {shape} is cut along a second-minor dimension that is a multiple of "
+          f"{self.unit}, or taken whole up to {WHOLE_BYTES} bytes; pack it instead"
         )
 
   @property
   def unit(self) -> int:
     return unit_rows(self.itemsize)
 
+  def is_whole(self, leaf: int) -> bool:
+    """Whether leaf ``leaf`` is one unit, moved whole (module doc): fewer than two
+    dimensions, or a second-minor one that is no whole number of tiles."""
+    shape = self.shapes[leaf]
+    return len(shape) < 2 or bool(shape[-2] % self.unit)
+
   def units(self, leaf: int) -> int:
-    return self.shapes[leaf][-2] // self.unit
+    return 1 if self.is_whole(leaf) else self.shapes[leaf][-2] // self.unit
 
   def axis_order(self, stream: int) -> tuple[int, ...]:
     """The torus axes stream ``stream`` reduce-scatters along, in order (the all-gather

@@ -12,8 +12,10 @@ byte read and written twice more, at HBM speed).
 
 One transfer of the schedule moves, for each leaf, one window ``leaf[..., a:b, :]`` of
 its rows (the part of the slab the device sends, ``leaf_grid.piece``): one DMA per leaf,
-of one of two static shapes, under a ``pl.when`` on the traced size. Both ends compute
-the same window from the slab index and the coordinates they share.
+of one of two static shapes, under a ``pl.when`` on the traced size. A whole leaf's window
+is all of it, and its receive slots are stacked on a leading dimension (``leaf_window``,
+``slot_window``). Both ends compute the same window from the slab index and the
+coordinates they share.
 
 * reduce-scatter: each leaf's range goes to the neighbour's receive slot for that leaf
   (an HBM output per leaf, a region per stream and slot, double-buffered). The leaves are
@@ -43,10 +45,11 @@ Code: the steps of a phase differ only in the slab index, so each run of steps i
 no stream changes phase is one loop over a traced step (``_each_step``): a kernel's code
 grows with the number of leaves and phases, not with the number of devices.
 
-Assumptions: the leaves of one call share a dtype (16- or 32-bit); their second-minor
-dimension is a whole number of tiles (``leaf_grid.LeafGrid``); the kernels run inside a
-``shard_map`` that binds every mesh axis. Verified in TPU interpret mode; nothing here has
-run on a TPU.
+Assumptions: the leaves of one call share a dtype (16- or 32-bit); each has a
+second-minor dimension of whole tiles, or is small enough to move whole
+(``leaf_grid.LeafGrid``: a vector, a stem convolution's kernel, up to
+``leaf_grid.WHOLE_BYTES``); the kernels run inside a ``shard_map`` that binds every mesh
+axis. Verified in TPU interpret mode; nothing here has run on a TPU.
 """
 
 from __future__ import annotations
@@ -108,8 +111,38 @@ def window(ref, start, rows: int):
   return ref.at[(slice(None),) * (len(ref.shape) - 2) + (pl.ds(start, rows), slice(None))]
 
 
-def frame(shape) -> tuple[tuple[int, ...], int]:
-  """A leaf's shape without its cut dimension: what its VMEM blocks share."""
+def leaf_window(grid: LeafGrid, leaf: int, ref, start, rows: int):
+  """The window ``Ranges.each`` gives of leaf ``leaf`` (``ref``): its rows ``start`` to
+  ``start + rows``, or, for a whole leaf (``LeafGrid.is_whole``: one unit), all of it."""
+  return ref if grid.is_whole(leaf) else window(ref, start, rows)
+
+
+def slots_shape(grid: LeafGrid, leaf: int, shape, slots: int, slot_units: int) -> tuple:
+  """The shape of ``slots`` receive slots of ``slot_units`` units each for leaf ``leaf``
+  (of ``shape``): stacked along its rows, or, for a whole leaf, along a new leading
+  dimension."""
+  if grid.is_whole(leaf):
+    return (slots, *shape)
+  return (*shape[:-2], slots * slot_units * grid.unit, shape[-1])
+
+
+def slot_window(grid: LeafGrid, leaf: int, ref, slot, slot_units: int, rows: int):
+  """The first ``rows`` of receive slot ``slot`` (static or traced) of leaf ``leaf``'s
+  slots ``ref`` (``slots_shape``)."""
+  if grid.is_whole(leaf):
+    return ref.at[slot]
+  start = slot * slot_units * grid.unit
+  if not isinstance(start, int):
+    start = pl.multiple_of(start, grid.unit)
+  return window(ref, start, rows)
+
+
+def frame(grid: LeafGrid, leaf: int) -> tuple:
+  """What leaf ``leaf``'s VMEM add blocks share: its shape without its cut dimension
+  (leading dimensions, minor dimension), or, for a whole leaf, ``("whole", shape)``."""
+  shape = tuple(grid.shapes[leaf])
+  if grid.is_whole(leaf):
+    return ("whole", shape)
   return tuple(shape[:-2]), shape[-1]
 
 
@@ -150,21 +183,18 @@ def _each_step(schedule: schedule_lib.Schedule, body) -> None:
 
 def add_rows(own, received, vmem, sems) -> None:
   """``own += received`` for HBM windows of equal shape, a block of rows at a time
-  through the VMEM pair ``vmem`` (16-bit floats add in float32, rounded once)."""
+  through the VMEM pair ``vmem`` (16-bit floats add in float32, rounded once). A pair of
+  the windows' own shape (a whole leaf's, ``add_scratch``) adds them in one block."""
   own_vmem, in_vmem = vmem
+  if tuple(own_vmem.shape) == tuple(own.shape):
+    _add_block(own, received, own_vmem, in_vmem, sems)
+    return
   rows, block = own.shape[-2], own_vmem.shape[-2]
   whole, rest = divmod(rows, block)
 
   def add(start, size):
     ov, iv = window(own_vmem, 0, size), window(in_vmem, 0, size)
-    copy_and_wait(
-      [
-        pltpu.make_async_copy(window(own, start, size), ov, sems.at[0]),
-        pltpu.make_async_copy(window(received, start, size), iv, sems.at[1]),
-      ]
-    )
-    ov[...] = add_rounded(ov[...], iv[...])
-    copy_and_wait([pltpu.make_async_copy(ov, window(own, start, size), sems.at[2])])
+    _add_block(window(own, start, size), window(received, start, size), ov, iv, sems)
 
   for_each(
     whole,
@@ -174,9 +204,21 @@ def add_rows(own, received, vmem, sems) -> None:
     add(whole * block, rest)
 
 
+def _add_block(own, received, own_vmem, in_vmem, sems) -> None:
+  """``own += received`` (HBM refs) through VMEM refs of their shape."""
+  copy_and_wait(
+    [
+      pltpu.make_async_copy(own, own_vmem, sems.at[0]),
+      pltpu.make_async_copy(received, in_vmem, sems.at[1]),
+    ]
+  )
+  own_vmem[...] = add_rounded(own_vmem[...], in_vmem[...])
+  copy_and_wait([pltpu.make_async_copy(own_vmem, own, sems.at[2])])
+
+
 def block_rows(leaf_frame, itemsize: int, unit: int) -> int:
-  """Rows of a VMEM add block for leaves of ``leaf_frame`` (``frame``): whole tiles, about
-  ``_ADD_BLOCK_BYTES`` (one tile at least)."""
+  """Rows of a VMEM add block for leaves of ``leaf_frame`` (``frame``, not whole): whole
+  tiles, about ``_ADD_BLOCK_BYTES`` (one tile at least)."""
   lead, width = leaf_frame
   row_bytes = math.prod(lead) * width * itemsize
   return max(unit, _ADD_BLOCK_BYTES // row_bytes // unit * unit)
@@ -184,12 +226,17 @@ def block_rows(leaf_frame, itemsize: int, unit: int) -> int:
 
 def add_scratch(leaves: Sequence[jax.Array], grid: LeafGrid) -> tuple[tuple, list]:
   """The distinct frames (``frame``) of ``leaves`` and, per frame, the VMEM pair that
-  ``add_rows`` adds their blocks in (the kernel's scratch, in frame order)."""
-  frames = tuple(dict.fromkeys(frame(leaf.shape) for leaf in leaves))
+  ``add_rows`` adds their blocks in (the kernel's scratch, in frame order): a whole
+  leaf's pair has its shape."""
+  frames = tuple(dict.fromkeys(frame(grid, leaf) for leaf in range(len(leaves))))
   vmem = []
-  for lead, width in frames:
-    rows = block_rows((lead, width), grid.itemsize, grid.unit)
-    vmem += [pltpu.VMEM((*lead, rows, width), leaves[0].dtype)] * 2
+  for f in frames:
+    if f[0] == "whole":
+      shape = f[1]
+    else:
+      lead, width = f
+      shape = (*lead, block_rows(f, grid.itemsize, grid.unit), width)
+    vmem += [pltpu.VMEM(shape, leaves[0].dtype)] * 2
   return frames, vmem
 
 
@@ -225,11 +272,8 @@ class _ReduceScatter:
 
   def slot_view(self, leaf: int, tr, t, rows: int):
     """The first ``rows`` of leaf ``leaf``'s receive slot of ``tr``'s stream at step ``t``."""
-    slot = (tr.stream * _RECV_SLOTS + t % _RECV_SLOTS) * self.grid.slot_units(leaf)
-    start = slot * self.grid.unit
-    if not isinstance(start, int):
-      start = pl.multiple_of(start, self.grid.unit)
-    return window(self.slots[leaf], start, rows)
+    slot = tr.stream * _RECV_SLOTS + t % _RECV_SLOTS
+    return slot_window(self.grid, leaf, self.slots[leaf], slot, self.grid.slot_units(leaf), rows)
 
   def dmas(self, tr, t, group: int, *, sending: bool, action) -> None:
     """``action`` on the DMA of each leaf of ``group`` that moves the slab this device
@@ -242,7 +286,8 @@ class _ReduceScatter:
     )
 
     def run(leaf, start, rows):
-      src, dst = window(self.leaves[leaf], start, rows), self.slot_view(leaf, tr, t, rows)
+      src = leaf_window(self.grid, leaf, self.leaves[leaf], start, rows)
+      dst = self.slot_view(leaf, tr, t, rows)
       action(self.topo.remote_copy(src, dst, *sems, tr.phase.axis, tr.phase.direction))
 
     self.ranges.each(tr, slab, run, self.groups[group])
@@ -263,8 +308,8 @@ class _ReduceScatter:
     self.dmas(tr, t, group, sending=False, action=lambda c: c.wait_recv())
 
     def add(leaf, start, rows):
-      own = window(self.leaves[leaf], start, rows)
-      vmem = self.vmem_of[frame(self.grid.shapes[leaf])]
+      own = leaf_window(self.grid, leaf, self.leaves[leaf], start, rows)
+      vmem = self.vmem_of[frame(self.grid, leaf)]
       add_rows(own, self.slot_view(leaf, tr, t, rows), vmem, self.local_sems)
 
     slab = self.topo.slab(tr.phase, tr.step, sending=False)
@@ -364,7 +409,7 @@ def _all_gather_kernel(coords_ref, *refs, grid: LeafGrid, axes, mesh_axes):
     sems = (send_sems.at[tr.stream, t], recv_sems.at[tr.stream, t])
 
     def run(leaf, start, rows):
-      view = window(leaves[leaf], start, rows)
+      view = leaf_window(grid, leaf, leaves[leaf], start, rows)
       action(topo.remote_copy(view, view, *sems, tr.phase.axis, tr.phase.direction))
 
     ranges.each(tr, topo.slab(tr.phase, tr.step, sending=sending), run)
@@ -427,14 +472,12 @@ def reduce_scatter_call(
 ) -> list[jax.Array]:
   """Runs the reduce-scatter ``grid.schedule`` over ``leaves`` in place: returns
   them with this device's parts (``leaf_grid``) fully summed, the rest partial sums."""
-  schedule, unit = grid.schedule, grid.unit
+  schedule = grid.schedule
   streams = schedule.num_streams
   phases = max(len(p) for p in schedule.streams)
+  count = streams * _RECV_SLOTS
   slots = [
-    hbm_like(
-      leaf,
-      (*leaf.shape[:-2], streams * _RECV_SLOTS * max(grid.slot_units(i), 1) * unit, leaf.shape[-1]),
-    )
+    hbm_like(leaf, slots_shape(grid, i, leaf.shape, count, max(grid.slot_units(i), 1)))
     for i, leaf in enumerate(leaves)
   ]
   frames, vmem = add_scratch(leaves, grid)

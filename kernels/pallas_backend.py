@@ -279,8 +279,8 @@ def all_reduce_leaves(
   no copy around the leaves the leaf kernels take where they lie.
 
   The leaves go to the kernels as ``kernel_leaves`` lays them out (each in its own shape,
-  or with its two minor dimensions swapped where that is a bitcast; the others packed
-  into one more leaf). One reduce-scatter and one all-gather call of
+  or with its two minor dimensions swapped where that is a bitcast, small vectors whole;
+  the others packed into one more leaf). One reduce-scatter and one all-gather call of
   ``schedule.default_variant(torus)`` take them all, aliased (up to
   ``MAX_LEAVES_PER_CALL`` leaves a pair; more run as several pairs). 16-bit floats
   travel in their own type and every hop adds in float32, as ``all_reduce`` does.
@@ -321,8 +321,10 @@ def kernel_leaves(leaves: Sequence[jax.Array]) -> list[jax.Array]:
   dimensions whose second-minor one is a whole number of tiles in its own shape, or with
   its two minor dimensions swapped where XLA lays it out minor dimension first
   (``leaf_grid.kernel_view``), so the swap is a bitcast and no XLA op packs, reshapes or
-  copies it; the others (vectors, a stem convolution's kernel) packed, zero-padded, into
-  one more leaf of ``[rows, 128]`` after them. ``restored_leaves`` inverts it.
+  copies it; small leaves the kernels cannot cut (vectors, a stem convolution's kernel)
+  as they are too, each moved whole; the rest (scalars, larger such leaves) packed,
+  zero-padded, into one more leaf of ``[rows, 128]`` after them. ``restored_leaves``
+  inverts it.
 
   Raises:
     ValueError: leaves of several dtypes, or of a width other than 16 or 32 bits.

@@ -57,12 +57,12 @@ Code: a call's hop index is a scalar operand, so the calls in the interior of on
 run the same kernel (``_Call``): a chain has a few kernels per phase, not one per hop.
 
 Assumptions: the leaves share a dtype (16- or 32-bit) and have whole tiles in their
-second-minor dimension (``leaf_grid.LeafGrid``); the calls run inside a ``shard_map`` that
-binds every mesh axis; every device issues all chains' calls in one order (one program
-under ``shard_map`` does; a runtime that runs independent calls concurrently needs the
-leaves' data dependency, which the chains have, and the caller's pins). Verified in TPU
-interpret mode with the split-call extension (``testing.split_interpret``); nothing here
-has run on a TPU.
+second-minor dimension or are small enough to move whole (``leaf_grid.LeafGrid``); the
+calls run inside a ``shard_map`` that binds every mesh axis; every device issues all
+chains' calls in one order (one program under ``shard_map`` does; a runtime that runs
+independent calls concurrently needs the leaves' data dependency, which the chains have,
+and the caller's pins). Verified in TPU interpret mode with the split-call extension
+(``testing.split_interpret``); nothing here has run on a TPU.
 """
 
 from __future__ import annotations
@@ -81,7 +81,15 @@ from jax.experimental.pallas import tpu as pltpu
 
 from torus_collectives import schedule as schedule_lib
 from torus_collectives.kernels.leaf_grid import LeafGrid, all_reduce_grids
-from torus_collectives.kernels.leaf_kernels import Ranges, add_rows, add_scratch, frame, window
+from torus_collectives.kernels.leaf_kernels import (
+  Ranges,
+  add_rows,
+  add_scratch,
+  frame,
+  leaf_window,
+  slot_window,
+  slots_shape,
+)
 from torus_collectives.kernels.remote_dma import (
   Topology,
   collective_id,
@@ -203,9 +211,8 @@ def _hop_kernel(coords_ref, hop_ref, *refs, call: _Call, frames, present):
   topo = Topology(chain.axes, chain.reduce.schedule.torus, chain.mesh_axes, coords_ref)
 
   def slot_view(leaf, j, rows):
-    unit = chain.reduce.unit
-    start = pl.multiple_of(lax.rem(j, _SLOTS) * chain.slot_units(leaf) * unit, unit)
-    return window(slots[leaf], start, rows)
+    slot = lax.rem(j, _SLOTS)
+    return slot_window(chain.reduce, leaf, slots[leaf], slot, chain.slot_units(leaf), rows)
 
   def dmas(grid, tr, j, sems, *, sending: bool, action):
     """``action(remote, src, dst)`` for each leaf's DMA of hop ``j`` (``tr``) that this
@@ -214,7 +221,7 @@ def _hop_kernel(coords_ref, hop_ref, *refs, call: _Call, frames, present):
     axis, direction = tr.phase.axis, tr.phase.direction
 
     def run(leaf, start, rows):
-      src = window(leaves[leaf], start, rows)
+      src = leaf_window(grid, leaf, leaves[leaf], start, rows)
       dst = slot_view(leaf, j, rows) if tr.phase.kind == "reduce_scatter" else src
       action(lambda: topo.remote_copy(src, dst, *sems, axis, direction), src, dst)
 
@@ -239,8 +246,8 @@ def _hop_kernel(coords_ref, hop_ref, *refs, call: _Call, frames, present):
 
       def add(leaf, start, rows):
         received = slot_view(leaf, k - 1, rows)
-        own = window(leaves[leaf], start, rows)
-        add_rows(own, received, vmem_of[frame(grid.shapes[leaf])], local_sems)
+        own = leaf_window(grid, leaf, leaves[leaf], start, rows)
+        add_rows(own, received, vmem_of[frame(grid, leaf)], local_sems)
 
       Ranges(grid, topo).each(tr, topo.slab(tr.phase, tr.step, sending=False), add)
   if call.sends is not None:
@@ -281,9 +288,8 @@ def _issue(chain: _Chain, k: int, leaves, slots, sems):
   in_specs = [_ANY] * (n + (n if slots_in else 0)) + ([_SEM, _SEM] if k > 0 else [])
   out_shape = [hbm_like(leaf, leaf.shape) for leaf in leaves]
   if slots_out:
-    unit = chain.reduce.unit
     out_shape += [
-      hbm_like(x, (*x.shape[:-2], _SLOTS * chain.slot_units(i) * unit, x.shape[-1]))
+      hbm_like(x, slots_shape(chain.reduce, i, x.shape, _SLOTS, chain.slot_units(i)))
       for i, x in enumerate(leaves)
     ]
   out_shape += [_DMA_SEM, _DMA_SEM] if k < hops else []

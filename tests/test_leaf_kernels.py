@@ -29,9 +29,9 @@ from torus_collectives import schedule as schedule_lib
 from torus_collectives.kernels import leaf_grid, pallas_backend
 
 # Leaves of a bucket as a model has them: convolution kernels (HWIO, the input channels a
-# whole number of tiles, so the 2-D view is a bitcast), a dense kernel, and a vector and
-# a stem kernel (3 input channels), which are packed instead.
-F32_LEAVES = [(3, 3, 8, 16), (1, 1, 128, 40), (16, 1000), (16,)]
+# whole number of tiles, so the 2-D view is a bitcast), a dense kernel, vectors and a stem
+# kernel (3 input channels), which are moved whole, and a scalar, which is packed.
+F32_LEAVES = [(3, 3, 8, 16), (1, 1, 128, 40), (16, 1000), (16,), ()]
 BF16_LEAVES = [(3, 3, 16, 16), (1, 1, 128, 48), (7, 7, 3, 8)]
 
 
@@ -47,7 +47,7 @@ def _owned_ranges(grid: leaf_grid.LeafGrid, leaf: int):
 
 @pytest.mark.parametrize("torus", [(8,), (2, 4), (4, 4), (2, 2, 2), (16, 16)])
 def test_every_unit_is_owned_once(torus):
-  shapes = [(8 * u, 128) for u in (1, 3, 7, 64, 200, 1111)]
+  shapes = [(8 * u, 128) for u in (1, 3, 7, 64, 200, 1111)] + [(16,), (7, 7, 3, 8)]  # two whole
   schedule = schedule_lib.build("reduce_scatter", torus, schedule_lib.default_variant(torus))
   grid = leaf_grid.LeafGrid(tuple(shapes), 4, schedule)
   for leaf in range(len(shapes)):
@@ -63,7 +63,7 @@ def test_a_traced_cut_is_the_static_one(torus):
   """Inside a kernel the slab index and coordinates are traced: ``piece`` then selects
   between the two static block sizes of each level (here on arrays of every device's
   coordinates and every slab index at once). Every slab of every phase, both ways."""
-  shapes = [(8 * u, 128) for u in (1, 5, 13, 100)]
+  shapes = [(8 * u, 128) for u in (1, 5, 13, 100)] + [(1000,)]
   schedule = schedule_lib.build("reduce_scatter", torus, schedule_lib.default_variant(torus))
   grid = leaf_grid.LeafGrid(tuple(shapes), 4, schedule)
   points = list(itertools.product(*map(range, torus), range(max(torus))))
@@ -116,18 +116,28 @@ def test_add_groups_are_min_of_eight_and_the_leaves_runs_none_empty(units):
     ((3, 3, 64, 128), 4, "as is"),
     ((3, 3, 64, 64), 2, "as is"),
     ((1, 1, 8, 64), 4, "as is"),
-    ((1, 1, 8, 64), 2, None),  # 16-bit tiles are 16 rows
+    ((1, 1, 8, 64), 2, "whole"),  # 16-bit tiles are 16 rows
     ((1, 1, 256, 64), 4, "transposed"),
     ((2048, 1000), 4, "transposed"),
-    ((2048, 1000), 2, None),  # 1000 rows are no whole number of 16-row tiles
-    ((7, 7, 3, 64), 4, None),  # the cut dimension is no whole tile
-    ((1000,), 4, None),
+    ((2048, 1000), 2, None),  # 1000 rows are no whole number of 16-row tiles, 4 MB
+    ((7, 7, 3, 64), 4, "whole"),  # the cut dimension is no whole tile
+    ((1000,), 4, "whole"),
+    ((16384,), 4, "whole"),  # WHOLE_BYTES
+    ((16385,), 4, None),
+    ((), 4, None),
     ((4, 0, 8), 4, None),
     ((8, 128), 1, None),
   ],
 )
 def test_kernel_view(shape, itemsize, view):
   assert leaf_grid.kernel_view(shape, itemsize) == view
+
+
+def test_a_leaf_too_large_to_move_whole_is_refused_by_the_grid():
+  schedule = schedule_lib.build("reduce_scatter", (4,), "ring")
+  assert leaf_grid.LeafGrid(((16384,), (3, 8, 128)), 4, schedule).units(0) == 1
+  with pytest.raises(ValueError, match="pack it instead"):
+    leaf_grid.LeafGrid(((16385,),), 4, schedule)
 
 
 def _leaf_sums(mesh, shapes, dtype, mode, seed=0):
@@ -213,10 +223,11 @@ def test_the_gradient_summation_sums_leaves_where_they_lie():
 
 @pytest.mark.aot
 def test_a_step_summing_leaves_computes_what_the_lax_step_computes():
-  """Compiled for v5e:2x2: an MLP-like step whose weight gradients (six of 16 MiB) are
-  summed by the leaf kernels has exactly the compute ops of the same step summed by
-  ``lax.psum`` (by opcode and shape; XLA may place a result in another memory), and no
-  copy, concatenate or slice: nothing is packed, unpacked or relaid."""
+  """Compiled for v5e:2x2: an MLP-like step whose gradients (six weights of 16 MiB, and
+  six bias vectors, which go whole) are summed by the leaf kernels has exactly the compute
+  ops of the same step summed by ``lax.psum`` (by opcode and shape; XLA may place a result
+  in another memory), and no copy, concatenate or slice: nothing is packed, unpacked or
+  relaid."""
   import aot_skip
 
   pytest.importorskip("libtpu", reason=aot_skip.REASON)
@@ -230,13 +241,19 @@ def test_a_step_summing_leaves_computes_what_the_lax_step_computes():
   shapes = [(4096, 1024)] * 4 + [(2048, 2048), (8192, 256)]
 
   def program(summed):
-    def step(weights, x):
-      grads = jax.grad(lambda ws: sum(jnp.tanh(x[:, : w.shape[0]] @ w).sum() for w in ws))(weights)
-      return [w - 0.1 * g for w, g in zip(weights, summed(grads))]
+    def step(params, x):
+      loss = lambda ps: sum(jnp.tanh(x[:, : w.shape[0]] @ w + b).sum() for w, b in ps)
+      grads = jax.grad(loss)(params)
+      leaves, tree = jax.tree.flatten(grads)
+      new = [p - 0.1 * g for p, g in zip(jax.tree.leaves(params), summed(leaves))]
+      return jax.tree.unflatten(tree, new)
 
     spec = (P(), P(("x", "y")))
     fn = jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=P(), check_vma=False)
-    weights = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    weights = [
+      (jax.ShapeDtypeStruct(s, jnp.float32), jax.ShapeDtypeStruct(s[-1:], jnp.float32))
+      for s in shapes
+    ]
     x = jax.ShapeDtypeStruct((mesh.size * 64, 8192), jnp.float32)
     return entry_ops(jax.jit(fn, donate_argnums=0).lower(weights, x).compile().as_text())
 

@@ -3,13 +3,13 @@
 In TPU interpret mode through the split-call extension (``testing.split_interpret``), race
 detector on, both DMA execution modes: ``pallas_backend.split_all_reduce_leaves`` of a
 bucket of leaves in their own shapes (convolution kernels, a dense kernel taken
-transposed, a vector and a stem kernel packed) equals ``lax.psum`` of each leaf bitwise on
-small integers, with a jnp computation pinned between every two calls (its results
-checked too), on a 2-D torus (four chains, one per link) and a 3-D one (six), in float32
-and bfloat16. Leaves with fewer tiles than parts receive nothing on some devices, which
-the extension must keep in step. Pure: each chain runs the reduce-scatter's hops of its
-stream then the all-gather's, in a few kernels per phase, and the traffic the calls
-declare is the schedule's.
+transposed, a vector and a stem kernel moved whole, a scalar packed) equals ``lax.psum``
+of each leaf bitwise on small integers, with a jnp computation pinned between every two
+calls (its results checked too), on a 2-D torus (four chains, one per link) and a 3-D
+one (six), in float32 and bfloat16. Leaves with fewer tiles than parts (and whole leaves)
+receive nothing on some devices, which the extension must keep in step. Pure: each chain
+runs the reduce-scatter's hops of its stream then the all-gather's, in a few kernels per
+phase, and the traffic the calls declare is the schedule's.
 """
 
 import harness
@@ -24,7 +24,7 @@ from torus_collectives.testing.split_interpret import async_interpret_mode
 
 pytestmark = pytest.mark.timeout(300, method="thread")
 
-SHAPES = [(3, 3, 16, 16), (1, 1, 128, 40), (16, 1000), (16,), (7, 7, 3, 8)]
+SHAPES = [(3, 3, 16, 16), (1, 1, 128, 40), (16, 1000), (16,), (7, 7, 3, 8), ()]
 CASES = [("eager", (2, 4), "float32"), ("on_wait", (2, 2, 2), "bfloat16")]
 
 

@@ -103,16 +103,18 @@ Assumptions and limits:
   threaded form; otherwise ``all_reduce_gradients(implementation="auto")``.
 * Only the default transport (the leaves' own dtype); ``transport_dtype`` and error feedback
   go through ``all_reduce_gradients``.
-* What the threading still adds to the compute is the small leaves' packing: a bucket's
-  vectors (a batch norm's scale and offset gradients) go to the calls packed into one more
-  leaf (``pallas_backend.kernel_leaves``), a small fusion each, and are sliced back. The
-  pins no longer cut a batch norm's sums out of their convolution (only convolutions and
-  matmuls are pinned, leaves first); by the
-  compiler's estimate for ResNet-50 the threaded step computes about what XLA's default
-  step does and hides most of the transfer (``bench.overlap_report --grad-overlap
-  on``, against ``--implementation xla``; compiler estimates and the cost model, with the
-  figures by op category in the documentation's design log). Each call also waits at its
-  link's barrier for the neighbour to enter it, a latency the model does not price.
+* The leaves go to the calls where they lie, the small ones the kernels cannot cut (a
+  batch norm's scale and offset gradients, the stem's kernel) whole; only scalars and
+  larger leaves of no whole tile are packed (``pallas_backend.kernel_leaves``). What the
+  threading still adds to the compute is that each such vector gradient is a small fusion
+  of its own, where XLA's step computes it inside a larger one. The pins do not cut a
+  batch norm's sums out of their convolution (only convolutions and matmuls are pinned,
+  leaves first); by the compiler's estimate for ResNet-50 the threaded step computes about
+  what XLA's default step does and hides most of the transfer (``bench.overlap_report
+  --grad-overlap on``, against ``--implementation xla``; compiler estimates and the cost
+  model, with the figures by op category in the documentation's design log). Each call
+  also waits at its link's barrier for the neighbour to enter it, a latency the model does
+  not price.
 * The tail's windows are its units, one or more a window; a leaf's update pass is never
   split. ResNet-50's is a few large kernel updates beside many small scales; spaced evenly
   in bytes (``plan.call_spacing``), every call of the last buckets gets a window with work
