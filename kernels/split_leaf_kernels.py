@@ -383,6 +383,15 @@ class SplitLeafAllReduce:
   def streams(self) -> int:
     return len(self._chains)
 
+  @property
+  def hop_bytes(self) -> list[int]:
+    """Bytes each hop moves per device, over all chains: hop ``k`` is started by call
+    ``k`` and waited for by call ``k + 1``."""
+    if not self._chains:
+      return []
+    hops = len(self._chains[0].hops)
+    return [sum(chain.hop_bytes(k) for chain in self._chains) for k in range(hops)]
+
   def _scope(self, s: int):
     return jax.named_scope(f"stream_{s}") if len(self._chains) > 1 else contextlib.nullcontext()
 

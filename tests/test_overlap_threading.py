@@ -435,23 +435,34 @@ def test_tail_operands_wait_for_the_calls_through_a_pinned_zero():
 
 
 @pytest.mark.parametrize(
-  "calls, points, expected",
+  "hop_bytes, points, expected",
   [
-    (4, 8, [2, 4, 6, 8]),  # one call every other window, the last at the last point
-    (3, 3, [1, 2, 3]),
-    (6, 4, [1, 2, 3, 4]),  # more calls than windows: one a window, the rest at the end
-    (2, 0, []),  # no window left: everything at the end
+    ([1] * 4, 8, [2, 4, 6, 8]),  # even hops: every other window, the last at the last point
+    ([1] * 3, 3, [1, 2, 3]),
+    ([1] * 6, 4, [1, 2, 3, 4, None, None]),  # more calls than windows: the rest at the end
+    ([1] * 2, 0, [None, None]),  # no window left: everything at the end
+    ([16, 16, 1, 1], 10, [4, 8, 9, 10]),  # the large hops get the spare windows
+    ([1, 16, 1], 5, [1, 4, 5]),
   ],
 )
-def test_calls_spread_evenly_over_the_points_left(calls, points, expected):
-  """``plan.calls_due``, as the executor applies it: at each point a collective issues
-  one call if fewer than are due have been issued."""
-  windows, issued, issued_at = list(range(1, points + 1)), 0, []
-  for position in windows:
-    if issued < calls and issued < plan.calls_due(calls, windows, position):
-      issued += 1
-      issued_at.append(position)
-  assert issued_at == expected
+def test_each_hop_gets_a_run_of_windows_by_its_bytes(hop_bytes, points, expected):
+  """``plan.call_points``: the call that waits for a hop is issued at the last point of the
+  hop's run of windows, one window at least, the spare ones to the hops with the most
+  bytes per window."""
+  assert plan.call_points(hop_bytes, list(range(1, points + 1))) == expected
+
+
+def test_no_hop_gets_fewer_windows_than_a_smaller_one():
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    hop_bytes = list(rng.integers(1, 100, size=int(rng.integers(1, 20))))
+    windows = list(range(10, 10 + len(hop_bytes) + int(rng.integers(0, 40))))
+    points = plan.call_points(hop_bytes, windows)
+    assert points[-1] == windows[-1] and points == sorted(set(points))  # one call a window
+    runs = np.diff([windows.index(p) for p in points], prepend=-1)
+    for i, j in itertools.permutations(range(len(hop_bytes)), 2):
+      if hop_bytes[i] > hop_bytes[j]:
+        assert runs[i] >= runs[j], (hop_bytes, runs)
 
 
 def test_advance_points_are_leaves_computed_from_new_work():

@@ -111,3 +111,15 @@ def test_declared_traffic_is_the_schedules(torus):
   reduce_sent = schedules[0].bytes_sent_per_device(total)
   added = sum(cost.flops for cost in costs) * 4
   assert abs(added - reduce_sent) <= len(costs) * 4
+  # What the threading paces the calls by (``plan.call_points``): each hop's bytes over
+  # the chains, the traffic the calls starting them declare.
+  names = ("x", "y", "z")[: len(torus)]
+  split = split_leaf_kernels.SplitLeafAllReduce(
+    [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes], names, torus, names
+  )
+  assert len(split.hop_bytes) == split.calls_left - 1
+  per_hop = [
+    sum(split_leaf_kernels._cost(c, k).remote_bytes_transferred for c in chains)
+    for k in range(len(split.hop_bytes))
+  ]
+  assert split.hop_bytes == per_hop

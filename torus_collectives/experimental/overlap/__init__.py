@@ -56,11 +56,14 @@ where they lie, and a done):
      documentation's design log). At each, the leaf passes a barrier with the collectives
      in flight, so the next call waits for the window's work (the backward pass reads the
      leaf as computed: a batch norm's sums feed its input gradient, which the barrier would
-     cut off from them), and each in-flight collective issues its next call if it is due: a
-     collective with ``C`` calls left when it starts, ``T`` points before the end, issues
-     ``j * C // T`` by its ``j``-th point. So its calls spread evenly over the windows
-     left, one a window at most (two calls in one window would leave the first one's hop
-     nothing to overlap), and the last is issued at the last point.
+     cut off from them), and each in-flight collective issues its next call if it is due
+     (``plan.call_points``): each of its hops gets a run of consecutive windows, one at
+     least, the windows beyond one a hop going to the hops with the most bytes per window,
+     and the call that waits for a hop is issued at the last point of its run. So a hop
+     that moves sixteen times another's bytes (a 2-D torus's first phase against its
+     second) gets more time to hide in, no two calls of a collective share a window (the
+     first one's hop would have nothing to overlap), and the last is issued at the last
+     point; with fewer windows than calls, one a window and the rest at the end.
 
    Equations that communicate (lax collectives such as the batch norms' sums, the package's
    primitives, Pallas kernels) are pinned on both sides without advancing, and each bucket

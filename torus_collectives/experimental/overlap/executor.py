@@ -26,8 +26,8 @@ from torus_collectives import inlining
 from torus_collectives._vma import mark_invariant
 from torus_collectives.experimental.overlap.plan import (
   Plan,
+  call_points,
   call_spacing,
-  calls_due,
   cone,
   is_computed,
   make_plan,
@@ -51,7 +51,7 @@ class Executor:
     self.plan: Plan | None = None  # the decisions (set by ``run``: ``plan.make_plan``)
     self.scopes: dict[int, tuple[str, int]] = {}  # id(split) -> (its scope, its start order)
     self.last_communicated: list[jax.Array] = []  # results of the last such equation
-    self.pacing: dict[int, tuple[int, list[int]]] = {}  # split -> (calls left, its points)
+    self.pacing: dict[int, tuple[int, list]] = {}  # split -> (calls left, each one's point)
     self.zero: jax.Array | None = None  # what pinned zeros come from (``opaque_zero``)
 
   @contextlib.contextmanager
@@ -149,7 +149,10 @@ class Executor:
       if split.calls_left:
         with self._scope(split):
           split.advance()
-      self.pacing[id(split)] = (split.calls_left, list(self.plan.windows(b)))
+      # The bytes of the hops the calls left wait for (uniform where the split says not).
+      hops = getattr(split, "hop_bytes", None) or [1] * split.calls_left
+      points = call_points(hops[len(hops) - split.calls_left :], self.plan.windows(b))
+      self.pacing[id(split)] = (split.calls_left, points)
 
   def _pin(self, values):
     """``values`` (their traced arrays; literals pass) through a barrier with each
@@ -190,10 +193,11 @@ class Executor:
 
   def _advance_due(self, position: int) -> None:
     """At the advance point ``position``, issues the next call of each in-flight
-    collective that is due (``plan.calls_due``), one a window at most."""
+    collective that is due (``plan.call_points``), one a window at most."""
     for split in self._flying():
-      calls, windows = self.pacing[id(split)]
-      if split.calls_left and calls - split.calls_left < calls_due(calls, windows, position):
+      calls, points = self.pacing[id(split)]
+      issued = calls - split.calls_left
+      if split.calls_left and points[issued] is not None and points[issued] <= position:
         with self._scope(split):
           split.advance()
 

@@ -184,14 +184,29 @@ def advance_points(eqns, leaf_keys, first_start: int) -> list[int]:
   return points
 
 
-def calls_due(calls: int, windows: Sequence[int], position: int) -> int:
-  """How many of its ``calls`` a collective has issued by the advance point ``position``,
-  given the points it was started before (``windows``): ``j * calls // len(windows)`` by
-  its ``j``-th point. So its calls spread evenly over the windows, one a window at most
-  (two calls in one window would leave the first one's hop nothing to overlap), and the
-  last is issued at the last point; with no window, none (they are issued at the end)."""
-  passed = sum(1 for p in windows if p <= position)
-  return passed * calls // max(len(windows), 1)
+def call_points(hop_bytes: Sequence[float], windows: Sequence[int]) -> list[int | None]:
+  """The advance point at which a collective issues each call after its first, given the
+  bytes its hops move (``hop_bytes``: hop ``i`` is started by call ``i``, and call ``i + 1``
+  waits for it) and the points it was started before (``windows``).
+
+  Each hop is given a run of consecutive windows, one at least, and the call that waits
+  for it is issued at the last point of its run. The windows beyond one a hop go, one at a
+  time, to the hop with the most bytes per window so far (water-filling): no hop has fewer
+  windows than a smaller one, and a hop that moves sixteen times the bytes of another (a
+  2-D torus's first phase against its second) gets more time to hide in, where an even
+  spread gives both one window. With fewer windows than hops, one call a window and the
+  rest at the end (None); the last call is issued at the last point."""
+  hops, count = len(hop_bytes), len(windows)
+  if not hops:
+    return []
+  if count < hops:
+    return [*windows, *[None] * (hops - count)]
+  runs = [1] * hops
+  for _ in range(count - hops):
+    widest = max(range(hops), key=lambda i: (hop_bytes[i] / runs[i], -i))
+    runs[widest] += 1
+  ends = itertools.accumulate(runs)
+  return [windows[end - 1] for end in ends]
 
 
 def is_computed(key, producer) -> bool:
