@@ -103,7 +103,8 @@ class CollectiveBackend:
   # summation's buckets); None where the backend has none.
   all_reduce_leaves: Callable[..., list] | None = None
   # The same issued one call at a time (``advance``, ``pin``, ``calls_left``, and
-  # ``finish_parts``, which returns each leaf's sum:
+  # ``finish_parts``, which returns each leaf's sum; optionally ``hop_bytes``, which the
+  # threading paces the calls by, evenly without it:
   # ``kernels.split_leaf_kernels.SplitLeafAllReduce``), for threading through the
   # backward pass with no packing; None where the backend has none.
   split_all_reduce_leaves: Callable[..., Any] | None = None
