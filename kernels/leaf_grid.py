@@ -30,10 +30,10 @@ At every level a block of ``u`` units is cut into ``n`` consecutive parts, each 
 A small leaf the grid cannot cut (a vector, a stem convolution's kernel of 3 input
 channels: fewer than two dimensions, or a second-minor one that is no whole number of
 tiles) is *whole*: one unit, the whole array, which one part holds and one DMA moves
-(``LeafGrid.is_whole``). Its bytes cross the same links as a cut leaf's, held by one
-device a hop instead of spread over all; up to ``WHOLE_BYTES`` that costs a DMA's latency,
-not bandwidth. So a model's vectors go to the kernels where they lie, as its kernels do,
-with no concatenation into one more leaf.
+(``LeafGrid.is_whole``). Its bytes cross the same links as a cut leaf's, carried by one
+device a hop instead of spread over all (the rotations below spread a bucket's whole
+leaves over the devices). So a model's vectors go to the kernels where they lie, as its
+kernels do, with no concatenation into one more leaf.
 
 A leaf with fewer units than the grid has parts of zero units; they move nothing. Each
 leaf's extra units start where the previous leaf's ended (``LeafGrid.path``'s rotations),
@@ -54,7 +54,7 @@ from jax import lax
 from torus_collectives import schedule as schedule_lib
 
 # The largest leaf the kernels take whole (``LeafGrid.is_whole``): a receiver adds it in
-# one VMEM block, and a hop that carries it spends about a DMA's latency more.
+# one VMEM block of its own shape, and one device carries it a hop.
 WHOLE_BYTES = 64 * 1024
 
 
@@ -151,11 +151,10 @@ class LeafGrid:
   schedule: schedule_lib.Schedule
 
   def __post_init__(self):
-    for shape in self.shapes:
+    for leaf, shape in enumerate(self.shapes):
       if not shape or 0 in shape:
         raise ValueError(f"a leaf needs one or more dimensions, none empty, got {shape}")
-      cut = len(shape) >= 2 and not shape[-2] % self.unit
-      if not cut and math.prod(shape) * self.itemsize > WHOLE_BYTES:
+      if self.is_whole(leaf) and math.prod(shape) * self.itemsize > WHOLE_BYTES:
         raise ValueError(
           f"a leaf of {shape} is cut along a second-minor dimension that is a multiple of "
           f"{self.unit}, or taken whole up to {WHOLE_BYTES} bytes; pack it instead"

@@ -117,10 +117,10 @@ def leaf_window(grid: LeafGrid, leaf: int, ref, start, rows: int):
   return ref if grid.is_whole(leaf) else window(ref, start, rows)
 
 
-def slots_shape(grid: LeafGrid, leaf: int, shape, slots: int, slot_units: int) -> tuple:
-  """The shape of ``slots`` receive slots of ``slot_units`` units each for leaf ``leaf``
-  (of ``shape``): stacked along its rows, or, for a whole leaf, along a new leading
-  dimension."""
+def slots_shape(grid: LeafGrid, leaf: int, slots: int, slot_units: int) -> tuple:
+  """The shape of ``slots`` receive slots of ``slot_units`` units each for leaf ``leaf``:
+  stacked along its rows, or, for a whole leaf, along a new leading dimension."""
+  shape = grid.shapes[leaf]
   if grid.is_whole(leaf):
     return (slots, *shape)
   return (*shape[:-2], slots * slot_units * grid.unit, shape[-1])
@@ -477,7 +477,7 @@ def reduce_scatter_call(
   phases = max(len(p) for p in schedule.streams)
   count = streams * _RECV_SLOTS
   slots = [
-    hbm_like(leaf, slots_shape(grid, i, leaf.shape, count, max(grid.slot_units(i), 1)))
+    hbm_like(leaf, slots_shape(grid, i, count, max(grid.slot_units(i), 1)))
     for i, leaf in enumerate(leaves)
   ]
   frames, vmem = add_scratch(leaves, grid)

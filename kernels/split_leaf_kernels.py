@@ -289,7 +289,7 @@ def _issue(chain: _Chain, k: int, leaves, slots, sems):
   out_shape = [hbm_like(leaf, leaf.shape) for leaf in leaves]
   if slots_out:
     out_shape += [
-      hbm_like(x, slots_shape(chain.reduce, i, x.shape, _SLOTS, chain.slot_units(i)))
+      hbm_like(x, slots_shape(chain.reduce, i, _SLOTS, chain.slot_units(i)))
       for i, x in enumerate(leaves)
     ]
   out_shape += [_DMA_SEM, _DMA_SEM] if k < hops else []
