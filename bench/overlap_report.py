@@ -217,10 +217,9 @@ def _collective_name(op) -> str:
   return "all_reduce"
 
 
-def step_timeline(compiled_text: str, mesh, generation: str, clock_hz: float):
-  """The ``hlo_schedule.Timeline`` of one compiled step on a ``generation`` ("v5e") mesh:
-  its compute timed at ``clock_hz``, every collective priced by ``cost_model``, the
-  gradient summation's and weight gather's (``is_data_parallel``) counted."""
+def collective_price(mesh, generation: str):
+  """``price(op, nbytes)``: the modelled seconds (``cost_model``, on a ``generation``
+  ("v5e") mesh) of a collective op of the compiled step, or of one hop of a split one."""
   generation = cost_model.GENERATIONS[generation]
   sizes = dict(mesh.shape)
 
@@ -248,9 +247,16 @@ def step_timeline(compiled_text: str, mesh, generation: str, clock_hz: float):
       collective, torus, variant, nbytes, generation, reduce_pieces=pieces
     ).time_s
 
+  return price
+
+
+def step_timeline(compiled_text: str, mesh, generation: str, clock_hz: float):
+  """The ``hlo_schedule.Timeline`` of one compiled step on a ``generation`` ("v5e") mesh:
+  its compute timed at ``clock_hz``, every collective priced by ``collective_price``, the
+  gradient summation's and weight gather's (``is_data_parallel``) counted."""
   ops = hlo_schedule.entry_ops(compiled_text)
-  counts = lambda op: is_data_parallel(op, tuple(sizes))
-  return hlo_schedule.timeline(ops, clock_hz, price, counts=counts)
+  counts = lambda op: is_data_parallel(op, tuple(mesh.axis_names))
+  return hlo_schedule.timeline(ops, clock_hz, collective_price(mesh, generation), counts=counts)
 
 
 def report(
@@ -281,6 +287,14 @@ def report(
       lines.append(
         f"split collectives: {len(chains)} chains of {sum(map(len, chains))} calls; "
         f"schedule problems: {'; '.join(problems) if problems else 'none'}"
+      )
+      loads = hlo_schedule.link_loads(ops, clock_hz, collective_price(mesh, generation))
+      first, tightest = loads[0], max(loads, key=lambda load: load.share)
+      lines.append(
+        f"split links: from the first call on, the busiest carries {1e3 * first.need_s:.3f} "
+        f"ms against {1e3 * first.compute_s:.3f} ms of compute ({100 * first.share:.0f} %); "
+        f"the tightest, from {tightest.first}, {1e3 * tightest.need_s:.3f} against "
+        f"{1e3 * tightest.compute_s:.3f} ms ({100 * tightest.share:.0f} %)"
       )
     lines.append(
       f"{generation} clock {clock_hz / 1e6:.0f} MHz, calibrated on a bf16 matmul at peak; "

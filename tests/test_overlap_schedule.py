@@ -294,24 +294,31 @@ def test_a_split_chain_is_priced_hop_by_hop():
   assert hlo_schedule.split_schedule_problems(ops) == []
 
 
+def _two_buckets(ccw, between, after):
+  """Two buckets' one-hop chains along "x" (bucket 1's the other way round with ``ccw``):
+  bucket 0 starts, then ``between``, bucket 1 starts, then ``after``, then both dones."""
+  return hlo_schedule.entry_ops(
+    _program(
+      "  %p = f32[8,128]{1,0} parameter(0)",
+      "  %c = s32[1]{0} parameter(1)",
+      "  %k = s32[1]{0} parameter(2)",
+      _split_call("start.0", "start", "%c, %k, %p"),
+      *between,
+      _split_call("start.1", "start", "%c, %k, %p", bucket="bucket_1", ccw=ccw),
+      *after,
+      _split_call("done.0", "done", "%c, %k, %start.0"),
+      _split_call("done.1", "done", "%c, %k, %start.1", bucket="bucket_1", ccw=ccw),
+    )
+  )
+
+
 @pytest.mark.parametrize("ccw, exposed", [(False, 3e-6), (True, 1e-6)], ids=["shared", "apart"])
 def test_hops_in_flight_on_one_link_share_it(ccw, exposed):
   """Two buckets' 2 us hops, started together around 1 us of compute. On the same link
   each runs at half speed: 1.5 us of each are left after the compute, and the first done
   waits 3 us for both to finish (the second then waits for nothing). On opposite
   directions each has its link alone: the first done waits 1 us."""
-  ops = hlo_schedule.entry_ops(
-    _program(
-      "  %p = f32[8,128]{1,0} parameter(0)",
-      "  %c = s32[1]{0} parameter(1)",
-      "  %k = s32[1]{0} parameter(2)",
-      _split_call("start.0", "start", "%c, %k, %p"),
-      _split_call("start.1", "start", "%c, %k, %p", bucket="bucket_1", ccw=ccw),
-      _fusion("fusion.1", 1000, "%p"),
-      _split_call("done.0", "done", "%c, %k, %start.0"),
-      _split_call("done.1", "done", "%c, %k, %start.1", bucket="bucket_1", ccw=ccw),
-    )
-  )
+  ops = _two_buckets(ccw, [], [_fusion("fusion.1", 1000, "%p")])
   assert [hlo_schedule.split_link(op) for op in ops if hlo_schedule.split_call(op)] == [
     ("x", 1), ("x", -1 if ccw else 1), ("x", 1), ("x", -1 if ccw else 1)
   ]  # fmt: skip
@@ -323,6 +330,24 @@ def test_hops_in_flight_on_one_link_share_it(ccw, exposed):
   assert timeline.step_s == pytest.approx(1e-6 + exposed)
   with pytest.raises(ValueError, match="not a split collective"):
     hlo_schedule.split_link(dataclasses.replace(ops[-1], op_name="jit(f)/x"))
+
+
+@pytest.mark.parametrize("ccw, first_need", [(False, 4e-6), (True, 2e-6)], ids=["shared", "apart"])
+def test_link_loads_count_every_later_hop_on_the_busiest_link(ccw, first_need):
+  """Bucket 0 starts, 1 us of compute, bucket 1 starts, 0.5 us more: from bucket 0's first
+  call the links must carry both buckets' 2 us hops, 4 us on one link when both use it,
+  2 us on each when they go opposite ways, against 1.5 us of compute; from bucket 1's, its
+  own hop against 0.5 us."""
+  ops = _two_buckets(
+    ccw, [_fusion("fusion.1", 1000, "%p")], [_fusion("fusion.2", 500, "%fusion.1")]
+  )
+  first, second = hlo_schedule.link_loads(ops, CLOCK, _price)
+  assert (first.first, second.first) == ("start.0", "start.1")
+  assert first.need_s == pytest.approx(first_need)
+  assert first.compute_s == pytest.approx(1.5e-6)
+  assert first.share == pytest.approx(first_need / 1.5e-6)
+  assert (second.need_s, second.compute_s) == pytest.approx((2e-6, 0.5e-6))
+  assert hlo_schedule.link_loads(hlo_schedule.entry_ops(BLOCKING), CLOCK, _price) == []
 
 
 def test_split_schedule_problems_name_a_copied_buffer_and_an_empty_window():

@@ -164,6 +164,18 @@ def test_resnet_threaded_step_keeps_every_bucket_on_compute():
       for before, call in itertools.pairwise(chain)
     ]
     assert sum(1 for cycles in windows if cycles) >= len(windows) / 2, (chain, windows)
+  # What the links carry from each bucket's first call on (priced 1 ns a declared byte):
+  # from the first, every hop of the step on its link; later, less, against less compute.
+  loads = hlo_schedule.link_loads(ops, 1e9, lambda op, nbytes: nbytes * 1e-9)
+  assert [load.first for load in loads] == [ops[chain[0]].name for chain in chains]
+  per_link: dict = {}
+  for op in ops:
+    if hlo_schedule.split_call(op):
+      link = hlo_schedule.split_link(op)
+      per_link[link] = per_link.get(link, 0) + op.remote_bytes * 1e-9
+  assert loads[0].need_s == pytest.approx(max(per_link.values()))
+  for earlier, later in itertools.pairwise(loads):
+    assert earlier.need_s >= later.need_s and earlier.compute_s >= later.compute_s > 0
 
 
 def test_a_pinned_zero_is_not_folded_into_a_constant():

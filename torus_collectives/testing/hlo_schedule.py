@@ -471,6 +471,54 @@ def split_chains(ops: list[Op]) -> list[list[int]]:
   return chains
 
 
+@dataclasses.dataclass(frozen=True)
+class LinkLoad:
+  """What the directed links must carry from one split collective's first call on
+  (``link_loads``)."""
+
+  first: str  # the collective's first call
+  need_s: float  # its hops and every later-started split collective's, on the busiest link
+  compute_s: float  # the compute scheduled after its first call
+
+  @property
+  def share(self) -> float:
+    """The busiest link's modelled time over the compute left: at most 1 means the links
+    could carry the hops behind that compute; what is exposed then comes from where the
+    calls are placed (too few windows, or hops sharing a link), not from the links."""
+    return self.need_s / self.compute_s if self.compute_s else math.inf
+
+
+def link_loads(ops: list[Op], clock_hz: float, price: Callable[[Op, int], float]) -> list[LinkLoad]:
+  """For each split collective, in the order of their first calls: the modelled seconds
+  (``price`` of each call's declared bytes, as ``timeline`` prices its hops) that its
+  hops and those of every split collective started after it put on the busiest directed
+  link (``split_link``), against the compute (``timeline``'s: ops with estimated cycles,
+  at ``clock_hz``) scheduled after its first call. The hops of a collective cannot move
+  before its first call and a link carries them at most at their modelled speed, so a
+  share over 1 means no placement of the later calls hides them all."""
+  compute_after = [0.0] * (len(ops) + 1)
+  for i in range(len(ops) - 1, -1, -1):
+    op = ops[i]
+    own = op.cycles / clock_hz if op.kind == "compute" and op.cycles else 0.0
+    compute_after[i] = compute_after[i + 1] + own
+  chains = sorted(split_chains(ops))
+  loads: list[dict[tuple[str, int], float]] = []
+  for calls in chains:
+    load: dict[tuple[str, int], float] = {}
+    for i in calls:
+      if split_call(ops[i])[1] != "done":
+        link = split_link(ops[i])
+        load[link] = load.get(link, 0.0) + price(ops[i], ops[i].remote_bytes)
+    loads.append(load)
+  rows, later = [], {}
+  for calls, load in reversed(list(zip(chains, loads))):
+    for link, seconds in load.items():
+      later[link] = later.get(link, 0.0) + seconds
+    need = max(later.values(), default=0.0)
+    rows.append(LinkLoad(ops[calls[0]].name, need, compute_after[calls[0] + 1]))
+  return rows[::-1]
+
+
 def is_backward_convolution(op: Op) -> bool:
   """A convolution of the backward pass: jax names those ``transpose(jvp(...))``."""
   return is_convolution(op) and "transpose(" in op.op_name
