@@ -268,11 +268,13 @@ def report(
   lines = []
   if not quiet:
     lines.append(f"{'collective':32s} {'kind':6s} {'MiB':>8s} {'model ms':>9s} {'covered':>8s} "
-                 f"{'exposed':>8s}  after last conv")  # fmt: skip
+                 f"{'exposed':>8s} {'waits':>7s}  after last conv")  # fmt: skip
     for row in timeline.rows:
+      waits = f"{row.waits}/{row.hops}" if row.kind == "split" else "-"
       lines.append(
         f"{row.name[:32]:32s} {row.kind:6s} {row.nbytes / 2**20:8.3f} {1e3 * row.modelled_s:9.4f}"
-        f" {1e3 * row.covered_s:8.4f} {1e3 * row.exposed_s:8.4f}  {row.after_last_convolution}"
+        f" {1e3 * row.covered_s:8.4f} {1e3 * row.exposed_s:8.4f} {waits:>7s}"
+        f"  {row.after_last_convolution}"
       )
     others = timeline.others
     lines.append(

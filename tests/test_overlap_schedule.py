@@ -290,8 +290,13 @@ def test_a_split_chain_is_priced_hop_by_hop():
   assert row.modelled_s == pytest.approx(4e-6)
   assert row.covered_s == pytest.approx(2.5e-6)
   assert row.exposed_s == pytest.approx(1.5e-6)
+  assert (row.hops, row.waits) == (2, 2)
   assert timeline.step_s == pytest.approx(4e-6)
   assert hlo_schedule.split_schedule_problems(ops) == []
+  covered = hlo_schedule.timeline(
+    hlo_schedule.entry_ops(_split_program(conv_cycles=(2000, 500))), CLOCK, _price
+  )
+  assert (covered.rows[0].hops, covered.rows[0].waits) == (2, 1)  # the first hop is covered
 
 
 def _two_buckets(ccw, between, after):
@@ -326,6 +331,7 @@ def test_hops_in_flight_on_one_link_share_it(ccw, exposed):
   first, second = timeline.rows
   assert first.exposed_s == pytest.approx(exposed)
   assert second.exposed_s == pytest.approx(0.0)
+  assert (first.waits, second.waits) == (1, 0)
   assert first.modelled_s == second.modelled_s == pytest.approx(2e-6)
   assert timeline.step_s == pytest.approx(1e-6 + exposed)
   with pytest.raises(ValueError, match="not a split collective"):

@@ -307,6 +307,8 @@ class CollectiveRow:
   covered_s: float  # compute scheduled between its start and its done
   exposed_s: float
   after_last_convolution: bool
+  hops: int = 0  # a split collective's hops (its calls but the done)
+  waits: int = 0  # of its calls after the first, those that waited for their hop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,7 +413,7 @@ def timeline(
   for chain in hops.chains:
     row = CollectiveRow(
       chain.name, "split", chain.nbytes, chain.modelled_s, chain.covered_s, chain.exposed_s,
-      chain.first_index > last_conv,
+      chain.first_index > last_conv, chain.hops, chain.waits,
     )  # fmt: skip
     (rows if counts(by_name[chain.name]) else others).append(row)
   return Timeline(tuple(rows), busy, tuple(others), now)
@@ -419,7 +421,8 @@ def timeline(
 
 @dataclasses.dataclass
 class _Chain:
-  """One split collective's calls, summed: its hops' modelled, covered and exposed time."""
+  """One split collective's calls, summed: its hops' modelled, covered and exposed time,
+  how many hops it has and how many of its calls waited for the hop before them."""
 
   name: str  # its first call
   first_index: int
@@ -427,6 +430,8 @@ class _Chain:
   modelled_s: float = 0.0
   covered_s: float = 0.0
   exposed_s: float = 0.0
+  hops: int = 0
+  waits: int = 0
 
 
 _PASSING = frozenset({"get-tuple-element", "bitcast"})
@@ -615,10 +620,13 @@ class _SplitHops:
       chain.modelled_s += hop.seconds
       chain.covered_s += busy - hop.busy
       chain.exposed_s += self.clock - now
+      if self.clock > now:
+        chain.waits += 1
       now = self.clock
     now += (op.cycles or 0) / clock_hz  # the call's own work on the TensorCore
     self.progress(now)
     if call != "done":
+      chain.hops += 1
       seconds = price(op, op.remote_bytes)
       self.window[index] = _Hop(split_link(op), busy, seconds, seconds)
     return now
