@@ -499,8 +499,10 @@ def link_loads(ops: list[Op], clock_hz: float, price: Callable[[Op, int], float]
   hops and those of every split collective started after it put on the busiest directed
   link (``split_link``), against the compute (``timeline``'s: ops with estimated cycles,
   at ``clock_hz``) scheduled after its first call. The hops of a collective cannot move
-  before its first call and a link carries them at most at their modelled speed, so a
-  share over 1 means no placement of the later calls hides them all."""
+  before its first call and a link carries them at most at their modelled speed, so with
+  a share over 1 no placement of the later calls hides them all behind that compute (the
+  calls' own work and other collectives, not counted, stretch the step a little further);
+  under 1, the links have the time."""
   compute_after = [0.0] * (len(ops) + 1)
   for i in range(len(ops) - 1, -1, -1):
     op = ops[i]
