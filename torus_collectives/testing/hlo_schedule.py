@@ -508,19 +508,13 @@ def link_loads(ops: list[Op], clock_hz: float, price: Callable[[Op, int], float]
     op = ops[i]
     own = op.cycles / clock_hz if op.kind == "compute" and op.cycles else 0.0
     compute_after[i] = compute_after[i + 1] + own
-  chains = sorted(split_chains(ops))
-  loads: list[dict[tuple[str, int], float]] = []
-  for calls in chains:
-    load: dict[tuple[str, int], float] = {}
+  rows: list[LinkLoad] = []
+  later: dict[tuple[str, int], float] = {}  # link -> seconds, this collective's on
+  for calls in sorted(split_chains(ops), reverse=True):  # the last started first
     for i in calls:
       if split_call(ops[i])[1] != "done":
         link = split_link(ops[i])
-        load[link] = load.get(link, 0.0) + price(ops[i], ops[i].remote_bytes)
-    loads.append(load)
-  rows, later = [], {}
-  for calls, load in reversed(list(zip(chains, loads))):
-    for link, seconds in load.items():
-      later[link] = later.get(link, 0.0) + seconds
+        later[link] = later.get(link, 0.0) + price(ops[i], ops[i].remote_bytes)
     need = max(later.values(), default=0.0)
     rows.append(LinkLoad(ops[calls[0]].name, need, compute_after[calls[0] + 1]))
   return rows[::-1]
