@@ -509,7 +509,7 @@ def link_loads(ops: list[Op], clock_hz: float, price: Callable[[Op, int], float]
     own = op.cycles / clock_hz if op.kind == "compute" and op.cycles else 0.0
     compute_after[i] = compute_after[i + 1] + own
   rows: list[LinkLoad] = []
-  later: dict[tuple[str, int], float] = {}  # link -> seconds, this collective's on
+  later: dict[tuple[str, int], float] = {}  # link -> seconds of this and later collectives
   for calls in sorted(split_chains(ops), reverse=True):  # the last started first
     for i in calls:
       if split_call(ops[i])[1] != "done":
